@@ -1,0 +1,98 @@
+"""A GPT language model tagged for piper-plan: regions `embed`, `layer` (numbered), `head`.
+
+    piper-plan search examples/gpt.py --gpus 16
+    piper-plan run examples/gpt.py --model-arg size=tiny --gpus 4 --device cpu --pp 2 --dp 2 \
+        --schedule 1f1b --microbatches 4 --steps 3 --seed 0 --check
+
+`--model-arg size=tiny|small|1b` picks a config; the default is about 1.1B parameters.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import piper
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    vocab: int
+    seq: int
+    dim: int
+    layers: int
+    heads: int
+
+
+CONFIGS = {
+    "tiny": GPTConfig(vocab=128, seq=16, dim=32, layers=4, heads=2),
+    "small": GPTConfig(vocab=8192, seq=256, dim=512, layers=8, heads=8),
+    "1b": GPTConfig(vocab=50304, seq=1024, dim=2048, layers=18, heads=16),
+}
+BATCH_SIZE = 32
+_size = "1b"
+
+
+class Block(nn.Module):
+    def __init__(self, c: GPTConfig) -> None:
+        super().__init__()
+        self.heads = c.heads
+        self.ln1 = nn.LayerNorm(c.dim)
+        self.qkv = nn.Linear(c.dim, 3 * c.dim)
+        self.proj = nn.Linear(c.dim, c.dim)
+        self.ln2 = nn.LayerNorm(c.dim)
+        self.fc = nn.Linear(c.dim, 4 * c.dim)
+        self.out = nn.Linear(4 * c.dim, c.dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(d, dim=-1)
+        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
+        att = (q @ k.transpose(-2, -1)) / math.sqrt(d // self.heads)
+        mask = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
+        att = att.masked_fill(~mask, float("-inf")).softmax(dim=-1)
+        y = (att @ v).transpose(1, 2).reshape(b, t, d)
+        x = x + self.proj(y)
+        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+
+
+class GPT(nn.Module):
+    def __init__(self, c: GPTConfig) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(c.vocab, c.dim)
+        self.pos = nn.Embedding(c.seq, c.dim)
+        self.blocks = nn.ModuleList(Block(c) for _ in range(c.layers))
+        self.ln_f = nn.LayerNorm(c.dim)
+        self.lm_head = nn.Linear(c.dim, c.vocab, bias=False)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        with piper.annotate("embed"):
+            pos = torch.arange(idx.shape[1], device=idx.device)
+            x = self.tok(idx) + self.pos(pos)
+        for block in self.blocks:
+            with piper.annotate("layer"):
+                x = block(x)
+        with piper.annotate("head"):
+            return self.lm_head(self.ln_f(x))
+
+
+def build_model(size: str = "1b") -> GPT:
+    global _size
+    if size not in CONFIGS:
+        raise ValueError(f"size must be one of {sorted(CONFIGS)}, got {size!r}")
+    _size = size
+    return GPT(CONFIGS[size])
+
+
+def example_batch(batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    c = CONFIGS[_size]
+    tokens = torch.randint(0, c.vocab, (batch_size, c.seq + 1))
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))

@@ -1,0 +1,229 @@
+"""Capture: trace a model on the meta device into an FX graph whose ops carry region tags.
+
+`torch.export` (non-strict) runs the user's Python once under fake tensors; with
+`preserve_node_meta` the tags from `piper.annotate` land in `node.meta["custom"]`. Every op is
+then assigned to exactly one region, and the region-level dataflow becomes a `ModelGraph`:
+pure metadata the DAG, directives and cost models work on. The FX graph itself stays in
+`Captured` for the runtime, which cuts it into stage modules.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+import torch.fx.traceback as fx_traceback
+from torch.export import ExportedProgram
+from torch.export.graph_signature import InputKind
+
+from piper.annotate import TAG_KEY, counting_regions
+from piper.errors import PiperError
+from piper.model_file import ModelSpec
+
+
+@dataclass(frozen=True, slots=True)
+class Region:
+    """A tagged region: the unit directives group into stages."""
+
+    name: str
+    index: int
+    params: tuple[str, ...]  # parameter FQNs first used here (owned by this region)
+    param_numel: int
+
+
+@dataclass(frozen=True, slots=True)
+class Value:
+    """A tensor that crosses from one region to another (a candidate P2P message)."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    region: int  # producer
+
+    @property
+    def nbytes(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n * torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
+
+    @property
+    def floating(self) -> bool:
+        return getattr(torch, self.dtype).is_floating_point
+
+
+@dataclass(frozen=True, slots=True)
+class Flow:
+    """Region `src` produces `values` that region `dst` consumes."""
+
+    src: int
+    dst: int
+    values: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class ModelGraph:
+    """Region-level view of a captured model, at microbatch size `batch`."""
+
+    regions: tuple[Region, ...]
+    flows: tuple[Flow, ...]
+    values: tuple[Value, ...]
+    output_region: int
+    batch: int
+    tied: tuple[tuple[str, tuple[int, ...]], ...] = ()  # params used by several regions
+
+    def region(self, name: str) -> Region:
+        for r in self.regions:
+            if r.name == name:
+                return r
+        raise KeyError(name)
+
+    def value(self, name: str) -> Value:
+        for v in self.values:
+            if v.name == name:
+                return v
+        raise KeyError(name)
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(r.name for r in self.regions)
+
+
+@dataclass(frozen=True)
+class Captured:
+    """The exported program plus its region assignment (node name -> region index)."""
+
+    program: ExportedProgram
+    graph: ModelGraph
+    node_region: dict[str, int]
+
+
+def capture(spec: ModelSpec, batch: int) -> Captured:
+    """Trace `spec`'s model on meta at microbatch size `batch`; no real memory is touched."""
+    try:
+        with torch.device("meta"):
+            model = spec.build()
+            inputs, _ = spec.batch(batch)
+    except PiperError:
+        raise
+    except Exception as e:  # noqa: BLE001 - user code
+        raise PiperError(f"{spec.path}: build_model/example_batch failed on the meta device: "
+                         f"{type(e).__name__}: {e}")
+    try:
+        with fx_traceback.preserve_node_meta(), counting_regions():
+            ep = torch.export.export(model, inputs, strict=False)
+    except Exception as e:  # noqa: BLE001 - user code
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise PiperError(f"{spec.path}: capturing the model failed: {type(e).__name__}: {msg}")
+    return _regions(ep, spec.path, batch)
+
+
+def _tag(node: fx.Node) -> str | None:
+    custom = node.meta.get("custom") or {}
+    return custom.get(TAG_KEY)
+
+
+def _final_names(tags: list[str]) -> dict[str, str]:
+    """`layer#3` -> `layer.3` when `layer` repeats, `embed#0` -> `embed` when it does not."""
+    count: dict[str, int] = defaultdict(int)
+    for t in tags:
+        count[t.split("#")[0]] += 1
+    out = {}
+    for t in tags:
+        base, k = t.split("#")
+        out[t] = base if count[base] == 1 else f"{base}.{k}"
+    return out
+
+
+def _regions(ep: ExportedProgram, path: str, batch: int) -> Captured:
+    g = ep.graph
+    ops = [n for n in g.nodes if n.op == "call_function"]
+    tags: list[str] = []
+    for n in ops:
+        t = _tag(n)
+        if t is not None and t not in tags:
+            tags.append(t)
+    if not tags:
+        raise PiperError(f"{path}: no regions tagged; wrap parts of forward in "
+                         "piper.annotate(name) or use piper.annotate_modules")
+    names = _final_names(tags)
+    index = {t: i for i, t in enumerate(tags)}
+    region: dict[str, int] = {}
+    for n in ops:  # forward pass: tagged ops, then untagged glue follows its latest input
+        t = _tag(n)
+        if t is not None:
+            region[n.name] = index[t]
+            continue
+        srcs = [region[a.name] for a in n.all_input_nodes if a.name in region]
+        if srcs:
+            region[n.name] = max(srcs)
+    for n in reversed(ops):  # glue fed only by inputs joins its first consumer
+        if n.name not in region:
+            users = [region[u.name] for u in n.users if u.name in region]
+            region[n.name] = min(users) if users else 0
+
+    sig = ep.graph_signature
+    param_of = {s.arg.name: s.target for s in sig.input_specs
+                if s.kind == InputKind.PARAMETER}
+    shapes = {p: tuple(n.meta["val"].shape) for n in g.nodes if (p := param_of.get(n.name))}
+    owned: dict[int, list[str]] = defaultdict(list)
+    tied = []
+    for n in g.nodes:
+        if n.op != "placeholder" or n.name not in param_of:
+            continue
+        users = sorted({region[u.name] for u in n.users if u.name in region})
+        if not users:
+            continue
+        owned[users[0]].append(param_of[n.name])
+        if len(users) > 1:
+            tied.append((param_of[n.name], tuple(users)))
+
+    flows: dict[tuple[int, int], list[str]] = defaultdict(list)
+    values: dict[str, Value] = {}
+    for n in ops:
+        for u in n.users:
+            dst = region.get(u.name)
+            if dst is None or dst == region[n.name]:
+                continue
+            if n.name not in flows[(region[n.name], dst)]:
+                flows[(region[n.name], dst)].append(n.name)
+            values[n.name] = _value(n, region[n.name], path)
+    out_node = next(n for n in g.nodes if n.op == "output")
+    out_regions = {region[a.name] for a in out_node.all_input_nodes if a.name in region}
+    if len(out_regions) != 1:
+        raise PiperError(f"{path}: the model output must come from exactly one region, "
+                         f"got {sorted(names[tags[i]] for i in out_regions)}")
+    regions = tuple(
+        Region(name=names[t], index=i, params=tuple(owned[i]),
+               param_numel=sum(_numel(shapes[p]) for p in owned[i]))
+        for i, t in enumerate(tags))
+    mg = ModelGraph(
+        regions=regions,
+        flows=tuple(Flow(s, d, tuple(v)) for (s, d), v in sorted(flows.items())),
+        values=tuple(values.values()),
+        output_region=out_regions.pop(),
+        batch=batch,
+        tied=tuple(tied),
+    )
+    for f in mg.flows:
+        if f.src > f.dst:
+            raise PiperError(f"{path}: region {regions[f.dst].name} feeds the earlier region "
+                             f"{regions[f.src].name}; regions must be tagged in call order")
+    return Captured(program=ep, graph=mg, node_region=region)
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _value(n: fx.Node, region: int, path: str) -> Value:
+    val = n.meta.get("val")
+    if not isinstance(val, torch.Tensor):
+        raise PiperError(f"{path}: op {n.name} passes a non-tensor between regions")
+    return Value(name=n.name, shape=tuple(int(d) for d in val.shape),
+                 dtype=str(val.dtype).removeprefix("torch."), region=region)

@@ -1,0 +1,218 @@
+"""The Global Training DAG: chunk and communication nodes over stages, microbatches, replicas.
+
+Nodes are small frozen values (hashable, printable); the graph itself is a networkx DiGraph
+whose edges are `data` (a tensor flows) or `temporal` (an `Order` says "after"). A DAG is never
+mutated once built: every directive returns a new one.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field, replace
+
+import networkx as nx
+
+from piper.capture import ModelGraph, Value
+from piper.errors import PiperError
+
+
+class Kind(enum.Enum):
+    FWD = "F"
+    BWD = "B"
+    UPDATE = "U"
+    SEND = "SEND"
+    RECV = "RECV"
+    ALL_REDUCE = "AR"
+
+    @property
+    def is_compute(self) -> bool:
+        return self in (Kind.FWD, Kind.BWD, Kind.UPDATE)
+
+    @property
+    def is_p2p(self) -> bool:
+        return self in (Kind.SEND, Kind.RECV)
+
+
+@dataclass(frozen=True, slots=True, order=True)
+class Node:
+    """One task of the training step.
+
+    `stage` is the stage whose device runs the node. For P2P nodes `src`/`dst` are the stages
+    the message goes between (for gradients `src` is the consumer stage); `grad` marks the
+    backward direction.
+    """
+
+    kind: Kind
+    stage: int
+    mb: int = -1
+    replica: int = 0
+    src: int = -1
+    dst: int = -1
+    grad: bool = False
+
+    @property
+    def name(self) -> str:
+        """Short printable name: F0.3, B1.0, U0, AR0, SEND_F0>1.3, RECV_B1>0.2."""
+        k = self.kind.value
+        if self.kind.is_p2p:
+            return f"{k}_{'B' if self.grad else 'F'}{self.src}>{self.dst}.{self.mb}"
+        if self.kind in (Kind.UPDATE, Kind.ALL_REDUCE):
+            return f"{k}{self.stage}"
+        return f"{k}{self.stage}.{self.mb}"
+
+    def __repr__(self) -> str:
+        return self.name + (f"@r{self.replica}" if self.replica else "")
+
+
+def parse_task(name: str) -> tuple[Kind, int, int]:
+    """`F0.3` -> (FWD, 0, 3); `U1` -> (UPDATE, 1, -1). Raises ValueError on anything else."""
+    kinds = {"F": Kind.FWD, "B": Kind.BWD, "U": Kind.UPDATE}
+    kind = kinds.get(name[:1])
+    if kind is None:
+        raise ValueError(f"bad task name {name!r}: expected F<stage>.<mb>, B<stage>.<mb>, U<stage>")
+    body = name[1:]
+    try:
+        if kind is Kind.UPDATE:
+            return kind, int(body), -1
+        s, m = body.split(".")
+        return kind, int(s), int(m)
+    except ValueError:
+        raise ValueError(f"bad task name {name!r}: expected F<stage>.<mb>, B<stage>.<mb>, "
+                         "U<stage>") from None
+
+
+@dataclass(frozen=True, slots=True)
+class Stage:
+    """A group of regions executed as one chunk on one pipeline device."""
+
+    index: int
+    regions: tuple[str, ...]
+    device: int
+
+
+@dataclass(frozen=True)
+class TrainingDAG:
+    """The whole training step as a DAG, plus the structure directives have set so far."""
+
+    model: ModelGraph
+    stages: tuple[Stage, ...]
+    graph: nx.DiGraph = field(compare=False, repr=False)
+    microbatches: int = 1
+    dp: int = 1
+    zero: int = 0
+    placement: tuple[tuple[str, int, int], ...] = ()  # (region, stage, device) from Place
+    ordered: tuple[int, ...] = ()  # devices an Order has constrained
+
+    @property
+    def pp(self) -> int:
+        return 1 + max(s.device for s in self.stages)
+
+    @property
+    def world_size(self) -> int:
+        return self.pp * self.dp
+
+    def device_of(self, node: Node) -> int:
+        return self.stages[node.stage].device
+
+    def rank_of(self, node: Node) -> int:
+        """Megatron-style layout: replicas of one pipeline device are adjacent ranks."""
+        return self.device_of(node) * self.dp + node.replica
+
+    def nodes(self, kind: Kind | None = None) -> list[Node]:
+        return sorted(n for n in self.graph.nodes if kind is None or n.kind is kind)
+
+    def stage_values(self, src: int, dst: int) -> tuple[Value, ...]:
+        """Tensors stage `src` sends to stage `dst` in the forward direction."""
+        of = {r: self.stage_of_region(r) for r in self.model.names}
+        names: list[str] = []
+        for f in self.model.flows:
+            a, b = self.model.regions[f.src].name, self.model.regions[f.dst].name
+            if of[a] == src and of[b] == dst:
+                names += [v for v in f.values if v not in names]
+        return tuple(self.model.value(v) for v in names)
+
+    def stage_of_region(self, region: str) -> int:
+        for s in self.stages:
+            if region in s.regions:
+                return s.index
+        raise KeyError(region)
+
+    def stage_edges(self) -> list[tuple[int, int]]:
+        """Forward dataflow between distinct stages."""
+        of = {r.index: self.stage_of_region(r.name) for r in self.model.regions}
+        return sorted({(of[f.src], of[f.dst]) for f in self.model.flows
+                       if of[f.src] != of[f.dst]})
+
+    def with_graph(self, graph: nx.DiGraph, **changes: object) -> TrainingDAG:
+        return replace(self, graph=graph, **changes)
+
+
+def stage_dag(model: ModelGraph, stages: tuple[Stage, ...],
+              placement: tuple[tuple[str, int, int], ...] = ()) -> TrainingDAG:
+    """Chunk nodes F/B/U per stage with data edges; SEND/RECV where stages are on two devices."""
+    dag = TrainingDAG(model=model, stages=stages, graph=nx.DiGraph(), placement=placement)
+    g = dag.graph
+    for s in stages:
+        f, b, u = Node(Kind.FWD, s.index, 0), Node(Kind.BWD, s.index, 0), Node(Kind.UPDATE, s.index)
+        g.add_edge(f, b, kind="data")  # saved activations (and the loss, on the output stage)
+        g.add_edge(b, u, kind="data")
+    for a, b in dag.stage_edges():
+        fa, fb = Node(Kind.FWD, a, 0), Node(Kind.FWD, b, 0)
+        ba, bb = Node(Kind.BWD, a, 0), Node(Kind.BWD, b, 0)
+        if stages[a].device == stages[b].device:
+            g.add_edge(fa, fb, kind="data")
+            g.add_edge(bb, ba, kind="data")
+            continue
+        send, recv = Node(Kind.SEND, a, 0, src=a, dst=b), Node(Kind.RECV, b, 0, src=a, dst=b)
+        nx.add_path(g, [fa, send, recv, fb], kind="data")
+        if any(v.floating for v in dag.stage_values(a, b)):
+            gs = Node(Kind.SEND, b, 0, src=b, dst=a, grad=True)
+            gr = Node(Kind.RECV, a, 0, src=b, dst=a, grad=True)
+            nx.add_path(g, [bb, gs, gr, ba], kind="data")
+    return dag
+
+
+def single_device_dag(model: ModelGraph) -> TrainingDAG:
+    """The captured model as one stage per region, all on device 0, one microbatch."""
+    stages = tuple(Stage(r.index, (r.name,), 0) for r in model.regions)
+    return stage_dag(model, stages)
+
+
+class VerifyError(PiperError):
+    pass
+
+
+def verify(dag: TrainingDAG) -> None:
+    """Check the invariants every DAG must hold; raise `VerifyError` listing each violation."""
+    problems: list[str] = []
+    g = dag.graph
+    if not nx.is_directed_acyclic_graph(g):
+        cyc = nx.find_cycle(g)
+        problems.append("cycle: " + " -> ".join(repr(u) for u, _ in cyc))
+    names = [r for s in dag.stages for r in s.regions]
+    if sorted(names) != sorted(dag.model.names):
+        missing = sorted(set(dag.model.names) - set(names))
+        dup = sorted({r for r in names if names.count(r) > 1})
+        problems.append(f"stages must cover every region once (missing {missing}, twice {dup})")
+    devices = sorted({s.device for s in dag.stages})
+    if devices != list(range(len(devices))):
+        problems.append(f"devices must be 0..{len(devices) - 1}, got {devices}")
+    for param, regions in dag.model.tied:
+        owners = {dag.stage_of_region(dag.model.regions[r].name) for r in regions}
+        if len(owners) > 1:
+            problems.append(f"parameter {param} is shared by stages {sorted(owners)}")
+    for n in g.nodes:
+        if n.kind is Kind.FWD and Node(Kind.BWD, n.stage, n.mb, n.replica) not in g:
+            problems.append(f"{n!r} has no backward")
+        if n.kind is Kind.BWD and not any(s.kind in (Kind.UPDATE, Kind.ALL_REDUCE)
+                                          for s in nx.descendants(g, n)):
+            problems.append(f"{n!r} reaches no update")
+        if n.kind is Kind.SEND:
+            recvs = [s for s in g.successors(n) if s.kind is Kind.RECV]
+            if len(recvs) != 1 or dag.rank_of(recvs[0]) == dag.rank_of(n):
+                problems.append(f"{n!r} must feed exactly one RECV on another rank")
+    updates = [n for n in g.nodes if n.kind is Kind.UPDATE]
+    if len(updates) != len(dag.stages) * dag.dp:
+        problems.append(f"expected {len(dag.stages) * dag.dp} updates, got {len(updates)}")
+    if problems:
+        raise VerifyError("invalid DAG: " + "; ".join(problems))

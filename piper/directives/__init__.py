@@ -1,0 +1,9 @@
+"""Directives: small frozen values, each a DAG rewrite. One module per family."""
+
+from piper.directives.base import Directive, from_dict
+from piper.directives.order import Order
+from piper.directives.place import Place
+from piper.directives.replicate import Replicate
+from piper.directives.split import Split
+
+__all__ = ["Directive", "Order", "Place", "Replicate", "Split", "from_dict"]

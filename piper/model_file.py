@@ -1,0 +1,117 @@
+"""Load a user's model file (the convention in DESIGN.md) into a `ModelSpec`."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from piper.errors import PiperError
+
+DEFAULT_BATCH_SIZE = 16
+
+
+def default_loss(output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy over every position (logits last dim is the class dim)."""
+    return torch.nn.functional.cross_entropy(output.reshape(-1, output.shape[-1]),
+                                             targets.reshape(-1))
+
+
+def default_optimizer(params: Any) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=1e-3)
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What a model file provides, with defaults filled in."""
+
+    path: str
+    model_args: tuple[tuple[str, Any], ...] = ()
+    build_model: Callable[..., torch.nn.Module] = field(repr=False, default=None)  # type: ignore
+    example_batch: Callable[[int], Any] = field(repr=False, default=None)  # type: ignore
+    loss_fn: Callable[[Any, Any], torch.Tensor] = field(repr=False, default=default_loss)
+    make_optimizer: Callable[[Any], torch.optim.Optimizer] = field(repr=False,
+                                                                  default=default_optimizer)
+    batch_size: int = DEFAULT_BATCH_SIZE
+
+    def build(self) -> torch.nn.Module:
+        try:
+            return self.build_model(**dict(self.model_args))
+        except TypeError as e:
+            raise PiperError(f"{self.path}: build_model({_fmt(self.model_args)}) failed: {e}")
+
+    def batch(self, batch_size: int) -> tuple[tuple[torch.Tensor, ...], Any]:
+        """(inputs as a tuple, targets)."""
+        out = self.example_batch(batch_size)
+        if not (isinstance(out, tuple) and len(out) == 2):
+            raise PiperError(f"{self.path}: example_batch must return (inputs, targets)")
+        inputs, targets = out
+        inputs = inputs if isinstance(inputs, tuple) else (inputs,)
+        for t in inputs:
+            if not isinstance(t, torch.Tensor) or t.dim() == 0 or t.shape[0] != batch_size:
+                raise PiperError(f"{self.path}: example_batch({batch_size}) inputs must be "
+                                 f"tensors with batch dimension {batch_size} first")
+        return inputs, targets
+
+
+def _fmt(args: tuple[tuple[str, Any], ...]) -> str:
+    return ", ".join(f"{k}={v!r}" for k, v in args)
+
+
+def parse_model_args(items: list[str] | None) -> tuple[tuple[str, Any], ...]:
+    """`KEY=VALUE` strings to keyword arguments; values are int, float, bool or str."""
+    out = []
+    for item in items or []:
+        key, sep, raw = item.partition("=")
+        if not sep or not key.isidentifier():
+            raise PiperError(f"--model-arg {item!r}: expected KEY=VALUE")
+        out.append((key, _parse_value(raw)))
+    return tuple(out)
+
+
+def _parse_value(raw: str) -> Any:
+    for conv in (int, float):
+        try:
+            return conv(raw)
+        except ValueError:
+            pass
+    return {"true": True, "false": False}.get(raw.lower(), raw)
+
+
+def load_model_file(path: str | Path, model_args: tuple[tuple[str, Any], ...] = ()) -> ModelSpec:
+    """Import the model file and check the contract; every problem is a `PiperError`."""
+    p = Path(path)
+    if not p.is_file():
+        raise PiperError(f"model file {str(path)!r} not found")
+    mod_name = f"piper_user_model_{abs(hash(str(p.resolve())))}"
+    spec = importlib.util.spec_from_file_location(mod_name, p)
+    if spec is None or spec.loader is None:
+        raise PiperError(f"model file {str(path)!r} is not a Python file")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[mod_name] = module
+    try:
+        spec.loader.exec_module(module)
+    except SyntaxError as e:
+        raise PiperError(f"{path}:{e.lineno}: syntax error: {e.msg}")
+    except Exception as e:  # noqa: BLE001 - any import failure is the user's file
+        raise PiperError(f"{path}: importing the model file failed: {type(e).__name__}: {e}")
+    for required in ("build_model", "example_batch"):
+        if not callable(getattr(module, required, None)):
+            raise PiperError(f"{path}: model file must define {required}()")
+    batch_size = getattr(module, "BATCH_SIZE", DEFAULT_BATCH_SIZE)
+    if not isinstance(batch_size, int) or batch_size <= 0:
+        raise PiperError(f"{path}: BATCH_SIZE must be a positive int, got {batch_size!r}")
+    return ModelSpec(
+        path=str(path),
+        model_args=model_args,
+        build_model=module.build_model,
+        example_batch=module.example_batch,
+        loss_fn=getattr(module, "loss_fn", default_loss),
+        make_optimizer=getattr(module, "make_optimizer", default_optimizer),
+        batch_size=batch_size,
+    )

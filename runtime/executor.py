@@ -1,0 +1,201 @@
+"""Execute one rank's share of a Plan for real: stage forward/backward, P2P, all-reduce, update.
+
+This is the body of a worker process (`runtime.worker` wraps it in a Ray actor). Process
+groups must already be initialised; everything it sends or receives is a real
+`torch.distributed` call.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from piper.capture import Captured
+from piper.dag import Kind
+from piper.model_file import ModelSpec
+from runtime.memory import MemoryLedger
+from runtime.plan import Plan, RankPlan, Task
+from runtime.stage_module import StageModule, build_stage
+
+
+@dataclass
+class _Saved:
+    acts: list[tuple[str, torch.Tensor]]  # activation inputs (leaves) by value name
+    outputs: dict[str, torch.Tensor]
+    loss: torch.Tensor | None = None
+
+
+@dataclass
+class StepOutcome:
+    loss_sum: float | None  # sum of this rank's scaled microbatch losses (output stage only)
+    time_s: float
+    peak_memory_bytes: int
+    spans: list[tuple[str, float, float]] = field(default_factory=list)
+
+
+class RankExecutor:
+    """State of one rank across steps: its stage modules, parameters and optimizers."""
+
+    def __init__(self, plan: Plan, rank: int, spec: ModelSpec, captured: Captured,
+                 batch_size: int, seed: int, device: torch.device,
+                 groups: dict[tuple[int, ...], Any]) -> None:
+        self.plan = plan
+        self.rp: RankPlan = plan.ranks[rank]
+        self.device = device
+        self.groups = groups
+        self.spec = spec
+        if captured.graph != plan.model:
+            raise RuntimeError(f"rank {rank}: captured model differs from the plan's model")
+        torch.manual_seed(seed)
+        model = spec.build().to(device)
+        params = dict(model.named_parameters())
+        buffers = dict(model.named_buffers())
+        self.stages: dict[int, StageModule] = {}
+        self.params: dict[int, list[torch.nn.Parameter]] = {}
+        self.inputs: dict[int, list[torch.Tensor | None]] = {}
+        self.optim: dict[int, torch.optim.Optimizer] = {}
+        names = plan.model.names
+        for s in self.rp.stages:
+            regions = {names.index(r) for r in plan.stage_regions[s]}
+            sm = build_stage(captured, regions, device)
+            self.stages[s] = sm
+            fixed: list[torch.Tensor | None] = []
+            ps: list[torch.nn.Parameter] = []
+            for kind, key in sm.inputs:
+                if kind == "param":
+                    ps.append(params[key])  # type: ignore[index]
+                    fixed.append(params[key])  # type: ignore[index]
+                elif kind == "buffer":
+                    fixed.append(buffers[key])  # type: ignore[index]
+                else:
+                    fixed.append(None)
+            self.params[s] = list(dict.fromkeys(ps))  # a param used twice is updated once
+            self.inputs[s] = fixed
+            self.optim[s] = spec.make_optimizer(self.params[s])
+        del model  # parameters not on this rank are released here
+        torch.manual_seed(seed)
+        inputs, targets = spec.batch(batch_size)
+        per_replica = batch_size // plan.dp
+        self.mb_size = per_replica // plan.microbatches
+        lo = self.rp.replica * per_replica
+        self.batch = tuple(t[lo:lo + per_replica].to(device) for t in inputs)
+        self.targets = _slice(targets, lo, lo + per_replica, device)
+        self.loss_scale = 1.0 / (plan.dp * plan.microbatches)
+        self.ledger = MemoryLedger(device)
+
+    # ---- one step -----------------------------------------------------------------------
+    def step(self) -> StepOutcome:
+        acts: dict[tuple[str, int], torch.Tensor] = {}
+        grads: dict[tuple[str, int], torch.Tensor] = {}
+        saved: dict[tuple[int, int], _Saved] = {}
+        pending: list[Any] = []
+        loss_sum = 0.0
+        spans: list[tuple[str, float, float]] = []
+        self.ledger.start_step(self.params, self.optim)
+        t0 = time.perf_counter()
+        for task in self.rp.tasks:
+            ts = time.perf_counter()
+            if task.kind is Kind.FWD:
+                saved[(task.stage, task.mb)] = self._forward(task, acts)
+                loss = saved[(task.stage, task.mb)].loss
+                if loss is not None:
+                    loss_sum += float(loss.detach())
+            elif task.kind is Kind.BWD:
+                self._backward(task, saved.pop((task.stage, task.mb)), grads)
+            elif task.kind is Kind.SEND:
+                store = grads if task.grad else acts
+                for k, v in enumerate(task.values):
+                    t = store[(v, task.mb)].detach().contiguous()
+                    pending.append((dist.isend(t, dst=task.peer, tag=task.tag + k), t))
+            elif task.kind is Kind.RECV:
+                for k, v in enumerate(task.values):
+                    info = self.plan.model.value(v)
+                    buf = torch.empty(info.shape, dtype=getattr(torch, info.dtype),
+                                      device=self.device)
+                    dist.irecv(buf, src=task.peer, tag=task.tag + k).wait()
+                    (grads if task.grad else acts)[(v, task.mb)] = buf
+            elif task.kind is Kind.ALL_REDUCE:
+                self._all_reduce(task)
+            elif task.kind is Kind.UPDATE:
+                self.optim[task.stage].step()
+                self.optim[task.stage].zero_grad(set_to_none=True)
+            spans.append((task.name, ts - t0, time.perf_counter() - t0))
+            self.ledger.observe(saved)
+        for work, _ in pending:
+            work.wait()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        elapsed = time.perf_counter() - t0
+        has_loss = self.plan.output_stage in self.rp.stages
+        return StepOutcome(loss_sum if has_loss else None, elapsed, self.ledger.peak(), spans)
+
+    def _forward(self, task: Task, acts: dict[tuple[str, int], torch.Tensor]) -> _Saved:
+        sm = self.stages[task.stage]
+        lo, hi = task.mb * self.mb_size, (task.mb + 1) * self.mb_size
+        args: list[torch.Tensor] = []
+        leaves: list[tuple[str, torch.Tensor]] = []
+        for (kind, key), fixed in zip(sm.inputs, self.inputs[task.stage]):
+            if fixed is not None:
+                args.append(fixed)
+            elif kind == "input":
+                args.append(self.batch[key][lo:hi])  # type: ignore[index]
+            else:
+                x = acts[(key, task.mb)].detach()  # type: ignore[index]
+                if x.is_floating_point():
+                    x.requires_grad_(True)
+                    leaves.append((key, x))  # type: ignore[arg-type]
+                args.append(x)
+        outs = dict(zip(sm.outputs, sm.module(*args)))
+        for name, t in outs.items():
+            acts[(name, task.mb)] = t
+        saved = _Saved(leaves, outs)
+        if sm.model_outputs:
+            out = [outs[n] for n in sm.model_outputs]
+            pred = out[0] if len(out) == 1 else tuple(out)
+            tgt = _slice(self.targets, lo, hi, self.device)
+            saved.loss = self.spec.loss_fn(pred, tgt) * self.loss_scale
+        return saved
+
+    def _backward(self, task: Task, saved: _Saved,
+                  grads: dict[tuple[str, int], torch.Tensor]) -> None:
+        roots: list[torch.Tensor] = []
+        seeds: list[torch.Tensor] = []
+        if saved.loss is not None:
+            roots.append(saved.loss)
+            seeds.append(torch.ones_like(saved.loss))
+        for name, t in saved.outputs.items():
+            g = grads.pop((name, task.mb), None)
+            if g is not None and t.requires_grad:
+                roots.append(t)
+                seeds.append(g)
+        params = self.params[task.stage]
+        leaves = [x for _, x in saved.acts]
+        got = torch.autograd.grad(roots, leaves + params, seeds, allow_unused=True)
+        for (name, x), g in zip(saved.acts, got[:len(leaves)]):
+            g = torch.zeros_like(x) if g is None else g
+            key = (name, task.mb)
+            grads[key] = grads[key] + g if key in grads else g
+        for p, g in zip(params, got[len(leaves):]):
+            if g is not None:
+                p.grad = g if p.grad is None else p.grad + g
+
+    def _all_reduce(self, task: Task) -> None:
+        params = self.params[task.stage]
+        gs = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        flat = _flatten_dense_tensors(gs)
+        dist.all_reduce(flat, group=self.groups[task.group])
+        for p, g in zip(params, _unflatten_dense_tensors(flat, gs)):
+            p.grad = g
+
+
+def _slice(x: Any, lo: int, hi: int, device: torch.device) -> Any:
+    if isinstance(x, torch.Tensor):
+        return x[lo:hi].to(device)
+    if isinstance(x, (tuple, list)):
+        return type(x)(_slice(t, lo, hi, device) for t in x)
+    return x

@@ -1,0 +1,77 @@
+"""Plan: per rank, per logical stream, the total order of tasks one training step runs.
+
+Plans are what executors consume: the Ray workers run them for real, the cost-model simulator
+runs them in simulated time. Everything here is a small frozen value so a Plan pickles to
+workers and hashes for caches.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from piper.capture import ModelGraph
+from piper.dag import Kind
+
+COMPUTE_STREAM = "compute"
+
+
+@dataclass(frozen=True, slots=True)
+class Task:
+    """One step of a rank's program.
+
+    P2P tasks carry the peer rank, the FX value names of the tensors and a tag (tensor k of
+    the message uses tag + k); ALL_REDUCE carries its process-group ranks.
+    """
+
+    kind: Kind
+    stage: int
+    mb: int = -1
+    peer: int = -1
+    values: tuple[str, ...] = ()
+    grad: bool = False
+    tag: int = 0
+    group: tuple[int, ...] = ()
+    name: str = ""
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+@dataclass(frozen=True, slots=True)
+class RankPlan:
+    rank: int
+    device: int
+    replica: int
+    stages: tuple[int, ...]
+    streams: tuple[tuple[str, tuple[Task, ...]], ...]
+
+    def stream(self, name: str = COMPUTE_STREAM) -> tuple[Task, ...]:
+        return dict(self.streams).get(name, ())
+
+    @property
+    def tasks(self) -> tuple[Task, ...]:
+        return tuple(t for _, ts in self.streams for t in ts)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The whole step for every rank, plus what executors need to interpret tasks."""
+
+    model: ModelGraph
+    stage_regions: tuple[tuple[str, ...], ...]
+    stage_device: tuple[int, ...]
+    output_stage: int
+    pp: int
+    dp: int
+    microbatches: int
+    ranks: tuple[RankPlan, ...]
+    groups: tuple[tuple[int, ...], ...]  # collective groups, in the order to create them
+
+    @property
+    def world_size(self) -> int:
+        return len(self.ranks)
+
+    def describe(self) -> str:
+        """One line per rank: its tasks by short name (torch pipelining style)."""
+        return "\n".join(f"rank {rp.rank}: " + " ".join(t.name for t in rp.tasks)
+                         for rp in self.ranks)

@@ -1,0 +1,104 @@
+"""Scheduler: lower a distributed TrainingDAG into a Plan, then prove it deadlock-free.
+
+Passes, in order:
+1. `compute_order`  — one global topological order of all nodes (data + temporal edges),
+   ties broken GPipe-style; each rank's chunk tasks are its projection, so every cross-rank
+   path is respected.
+2. `place_comms`    — SEND right after its producer, RECV right before its consumer,
+   ALL_REDUCE right after the last backward of its stage, UPDATE at the end.
+3. `dry_run`        — execute the Plan with blocking semantics; raises on deadlock.
+"""
+
+from __future__ import annotations
+
+import networkx as nx
+
+from piper.dag import Kind, Node, TrainingDAG
+from piper.errors import PiperError
+from runtime.dryrun import dry_run
+from runtime.plan import COMPUTE_STREAM, Plan, RankPlan, Task
+
+
+def _priority(n: Node) -> tuple:
+    phase = {Kind.FWD: 0, Kind.BWD: 1}.get(n.kind, 2)
+    stage = -n.stage if n.kind is Kind.BWD else n.stage
+    return (phase, n.mb, stage, n.kind.value, n.src, n.dst, n.replica)
+
+
+def compute_order(dag: TrainingDAG) -> list[Node]:
+    try:
+        return list(nx.lexicographical_topological_sort(dag.graph, key=_priority))
+    except nx.NetworkXUnfeasible:
+        cycle = nx.find_cycle(dag.graph)
+        raise PiperError("cannot schedule: cycle " + " -> ".join(repr(u) for u, _ in cycle))
+
+
+def schedule(dag: TrainingDAG, *, check: bool = True) -> Plan:
+    """The Plan for `dag`; with `check`, a dry run proves it free of deadlock."""
+    order = compute_order(dag)
+    g = dag.graph
+    tags = _tags(dag)
+    group_of = {s.index: tuple(s.device * dag.dp + r for r in range(dag.dp)) for s in dag.stages}
+
+    def task(n: Node) -> Task:
+        if n.kind.is_p2p:
+            peer_node = next(iter(g.successors(n) if n.kind is Kind.SEND else g.predecessors(n)))
+            values = tuple(v.name for v in _forward_values(dag, n)
+                           if v.floating or not n.grad)
+            return Task(n.kind, n.stage, n.mb, peer=dag.rank_of(peer_node), values=values,
+                        grad=n.grad, tag=tags[(n.src, n.dst, n.grad, n.mb, n.replica)],
+                        name=n.name)
+        if n.kind is Kind.ALL_REDUCE:
+            return Task(n.kind, n.stage, group=group_of[n.stage], name=n.name)
+        return Task(n.kind, n.stage, n.mb, name=n.name)
+
+    ranks = []
+    for rank in range(dag.world_size):
+        mine = [n for n in order if dag.rank_of(n) == rank]
+        chunks = [n for n in mine if n.kind in (Kind.FWD, Kind.BWD)]
+        seq: list[Node] = []
+        for c in chunks:
+            seq += [p for p in g.predecessors(c) if p.kind is Kind.RECV]
+            seq.append(c)
+            seq += sorted(s for s in g.successors(c) if s.kind is Kind.SEND)
+            if c.kind is Kind.BWD:
+                ar = [s for s in g.successors(c) if s.kind is Kind.ALL_REDUCE]
+                if ar and all(p in seq for p in g.predecessors(ar[0])):
+                    seq.append(ar[0])
+        seq += sorted(n for n in mine if n.kind is Kind.UPDATE)
+        missing = set(mine) - set(seq)
+        if missing:
+            raise PiperError(f"scheduler left tasks unplaced on rank {rank}: {sorted(missing)}")
+        device, replica = divmod(rank, dag.dp)
+        stages = tuple(s.index for s in dag.stages if s.device == device)
+        ranks.append(RankPlan(rank, device, replica, stages,
+                              ((COMPUTE_STREAM, tuple(task(n) for n in seq)),)))
+    out = dag.stage_of_region(dag.model.regions[dag.model.output_region].name)
+    plan = Plan(
+        model=dag.model,
+        stage_regions=tuple(s.regions for s in dag.stages),
+        stage_device=tuple(s.device for s in dag.stages),
+        output_stage=out,
+        pp=dag.pp,
+        dp=dag.dp,
+        microbatches=dag.microbatches,
+        ranks=tuple(ranks),
+        groups=tuple(sorted(set(group_of.values()))) if dag.dp > 1 else (),
+    )
+    if check:
+        dry_run(plan)
+    return plan
+
+
+def _tags(dag: TrainingDAG) -> dict[tuple, int]:
+    """A distinct tag range per P2P message so messages never match the wrong receive."""
+    tags, nxt = {}, 0
+    for n in dag.nodes(Kind.SEND):
+        tags[(n.src, n.dst, n.grad, n.mb, n.replica)] = nxt
+        nxt += len(_forward_values(dag, n)) + 1
+    return tags
+
+
+def _forward_values(dag: TrainingDAG, n: Node) -> tuple:
+    """The tensors of the forward edge a P2P node serves (gradients flow against it)."""
+    return dag.stage_values(n.dst, n.src) if n.grad else dag.stage_values(n.src, n.dst)

@@ -35,7 +35,7 @@ class StepOutcome:
     loss_sum: float | None  # sum of this rank's scaled microbatch losses (output stage only)
     time_s: float
     peak_memory_bytes: int
-    spans: list[tuple[str, float, float]] = field(default_factory=list)
+    spans: list[tuple[Task, float, float]] = field(default_factory=list)
 
 
 class RankExecutor:
@@ -95,7 +95,7 @@ class RankExecutor:
         saved: dict[tuple[int, int], _Saved] = {}
         pending: list[Any] = []
         loss_sum = 0.0
-        spans: list[tuple[str, float, float]] = []
+        spans: list[tuple[Task, float, float]] = []
         self.ledger.start_step(self.params, self.optim)
         t0 = time.perf_counter()
         for task in self.rp.tasks:
@@ -124,7 +124,7 @@ class RankExecutor:
             elif task.kind is Kind.UPDATE:
                 self.optim[task.stage].step()
                 self.optim[task.stage].zero_grad(set_to_none=True)
-            spans.append((task.name, ts - t0, time.perf_counter() - t0))
+            spans.append((task, ts - t0, time.perf_counter() - t0))
             self.ledger.observe(saved)
         for work, _ in pending:
             work.wait()

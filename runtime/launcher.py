@@ -15,7 +15,8 @@ from piper.dag import single_device_dag
 from piper.errors import PiperError
 from piper.model_file import ModelSpec
 from piper.program import Program
-from runtime.plan import Plan
+from runtime.dryrun import Span
+from runtime.plan import COMPUTE_STREAM, Plan
 from runtime.scheduler import schedule
 from runtime.worker import RemoteWorker
 
@@ -36,6 +37,7 @@ class RunResult:
     steps: tuple[StepResult, ...]
     peak_memory_bytes: tuple[int, ...]
     plan: Plan
+    spans: tuple[Span, ...] = ()  # the last step's measured timeline
 
 
 def microbatch_size(batch_size: int, dp: int, microbatches: int) -> int:
@@ -93,14 +95,16 @@ def run(spec: ModelSpec, plan: Plan, *, batch_size: int, steps: int, seed: int,
     try:
         _gather([a.setup.remote(plan, batch_size, seed, timeout_s) for a in actors],
                 timeout_s, "setup")
-        results, peaks = [], [0] * world
+        results, peaks, spans = [], [0] * world, ()
         for k in range(steps):
             outs = _gather([a.step.remote() for a in actors], timeout_s, f"step {k}")
             loss = sum(o.loss_sum for o in outs if o.loss_sum is not None)
             results.append(StepResult(k, loss, max(o.time_s for o in outs)))
             peaks = [max(p, o.peak_memory_bytes) for p, o in zip(peaks, outs)]
+            spans = tuple(Span(r, COMPUTE_STREAM, t, a, b) for r, o in enumerate(outs)
+                          for t, a, b in o.spans)
         _gather([a.shutdown.remote() for a in actors], timeout_s, "shutdown")
-        return RunResult(tuple(results), tuple(peaks), plan)
+        return RunResult(tuple(results), tuple(peaks), plan, spans)
     finally:
         for a in actors:
             ray.kill(a)

@@ -1,0 +1,205 @@
+"""ClusterSpec: the handful of hardware figures the cost models need, and a built-in catalog.
+
+    piper-plan clusters                      # lists CATALOG
+    piper-plan search MODEL.py --gpus 16 --cluster h200
+    piper-plan search MODEL.py --gpus 16 --cluster my_cluster.toml
+
+A spec file is flat TOML with the field names of `ClusterSpec`; `to_toml` writes one.
+
+`flops` is the peak dense rate of the math PyTorch runs *by default* for fp32 tensors:
+`torch.get_float32_matmul_precision()` is "highest", so CUDA matmuls use IEEE fp32 on the
+CUDA cores, not TF32 tensor cores (8x faster on A100, 7x on H100). The runtime trains in fp32
+to reproduce single-device losses to rtol 1e-4, which TF32 would not, so the fp32 figure is
+what a measured run reaches. A cluster that enables TF32 can say so in its own spec file.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+import tomllib
+
+from piper.errors import PiperError
+
+GiB = 2**30
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ClusterSpec:
+    """A homogeneous cluster: `gpus_per_node` devices per node, identical links per device."""
+
+    name: str
+    device: str
+    gpus_per_node: int
+    memory_bytes: int
+    """Device memory usable for training, per device."""
+    flops: float
+    """Peak dense FLOP/s per device for PyTorch-default fp32 math (see module docstring)."""
+    compute_efficiency: float
+    """Fraction of `flops` a whole model's math reaches: matmuls run near peak, the rest not."""
+    intra_node_bandwidth: float
+    """Bytes/s per direction per device over the node's fabric (NVLink on GPUs)."""
+    intra_node_latency: float
+    """Seconds of fixed cost per message inside a node (alpha of the alpha-beta model)."""
+    inter_node_bandwidth: float
+    """Bytes/s per direction per device across nodes (its share of the NICs)."""
+    inter_node_latency: float
+    memory_bandwidth: float | None = None
+    """Device memory bytes/s; prices the optimizer step. None: the step is not priced."""
+    source: str = ""
+    """Where the figures come from, so a reader can check them."""
+
+    def __post_init__(self) -> None:
+        problems = []
+        if not isinstance(self.gpus_per_node, int) or self.gpus_per_node < 1:
+            problems.append(f"gpus_per_node must be an integer >= 1, got {self.gpus_per_node!r}")
+        if not isinstance(self.memory_bytes, int) or self.memory_bytes < 1:
+            problems.append(f"memory_bytes must be an integer >= 1, got {self.memory_bytes!r}")
+        for f in ("flops", "intra_node_bandwidth", "inter_node_bandwidth"):
+            v = getattr(self, f)
+            if not _number(v) or not v > 0:
+                problems.append(f"{f} must be a number > 0, got {v!r}")
+        for f in ("intra_node_latency", "inter_node_latency"):
+            v = getattr(self, f)
+            if not _number(v) or not 0 <= v < math.inf:
+                problems.append(f"{f} must be a finite number >= 0, got {v!r}")
+        e = self.compute_efficiency
+        if not _number(e) or not 0 < e <= 1:
+            problems.append(f"compute_efficiency must be in (0, 1], got {e!r}")
+        m = self.memory_bandwidth
+        if m is not None and (not _number(m) or not m > 0):
+            problems.append(f"memory_bandwidth must be a number > 0, got {m!r}")
+        if problems:
+            raise PiperError(f"cluster {self.name!r}: " + "; ".join(problems))
+
+    def node_of(self, rank: int) -> int:
+        """Ranks fill nodes in order, as launchers place them."""
+        return rank // self.gpus_per_node
+
+    @property
+    def effective_flops(self) -> float:
+        return self.flops * self.compute_efficiency
+
+
+def _number(v: object) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and not math.isnan(v)
+
+
+_NVIDIA = "NVIDIA datasheet"
+_LAT = "latencies: typical NCCL small-message figures, not datasheet"
+
+CATALOG: dict[str, ClusterSpec] = {
+    s.name: s for s in (
+        ClusterSpec(
+            name="a100-40gb", device="NVIDIA A100-SXM4-40GB", gpus_per_node=8,
+            memory_bytes=40 * GiB, flops=19.5e12, compute_efficiency=0.5,
+            intra_node_bandwidth=300e9, intra_node_latency=5e-6,
+            inter_node_bandwidth=25e9, inter_node_latency=1e-5, memory_bandwidth=1555e9,
+            source=f"{_NVIDIA} A100 (FP32 19.5 TF; TF32 dense 156 TF; HBM2 1555 GB/s; NVLink3 "
+                   "600 GB/s bidirectional); DGX A100: one HDR 200 Gb/s HCA per GPU; " + _LAT),
+        ClusterSpec(
+            name="a100-80gb", device="NVIDIA A100-SXM4-80GB", gpus_per_node=8,
+            memory_bytes=80 * GiB, flops=19.5e12, compute_efficiency=0.5,
+            intra_node_bandwidth=300e9, intra_node_latency=5e-6,
+            inter_node_bandwidth=25e9, inter_node_latency=1e-5, memory_bandwidth=2039e9,
+            source=f"{_NVIDIA} A100 (FP32 19.5 TF; TF32 dense 156 TF; HBM2e 2039 GB/s; NVLink3 "
+                   "600 GB/s bidirectional); DGX A100: one HDR 200 Gb/s HCA per GPU; " + _LAT),
+        ClusterSpec(
+            name="h100-80gb", device="NVIDIA H100-SXM5-80GB", gpus_per_node=8,
+            memory_bytes=80 * GiB, flops=67e12, compute_efficiency=0.5,
+            intra_node_bandwidth=450e9, intra_node_latency=5e-6,
+            inter_node_bandwidth=50e9, inter_node_latency=1e-5, memory_bandwidth=3.35e12,
+            source=f"{_NVIDIA} H100 SXM (FP32 67 TF; TF32 dense 495 TF; HBM3 3.35 TB/s; NVLink4 "
+                   "900 GB/s bidirectional); DGX H100: one NDR 400 Gb/s HCA per GPU; " + _LAT),
+        ClusterSpec(
+            name="h200", device="NVIDIA H200-SXM-141GB", gpus_per_node=8,
+            # 141 GB datasheet; nvidia-smi shows ~140 GiB, so round down to that
+            memory_bytes=140 * GiB, flops=67e12, compute_efficiency=0.5,
+            intra_node_bandwidth=450e9, intra_node_latency=5e-6,
+            inter_node_bandwidth=50e9, inter_node_latency=1e-5, memory_bandwidth=4.8e12,
+            source=f"{_NVIDIA} H200 SXM (FP32 67 TF; TF32 dense 495 TF; HBM3e 4.8 TB/s; NVLink4 "
+                   "900 GB/s bidirectional); DGX H200: one NDR 400 Gb/s HCA per GPU; " + _LAT),
+        ClusterSpec(
+            # Ranks are processes sharing a few cores and talking through gloo; every rank is
+            # on one "node" so the planner never prices a network it does not have.
+            name="cpu", device="CPU (gloo)", gpus_per_node=1024,
+            memory_bytes=24 * GiB, flops=50e9, compute_efficiency=0.3,
+            intra_node_bandwidth=2e9, intra_node_latency=5e-5,
+            inter_node_bandwidth=1.25e9, inter_node_latency=1e-4, memory_bandwidth=10e9,
+            source="rough figures for a small x86 VM: ~50 GFLOP/s fp32 AVX2 per process, "
+                   "gloo over loopback ~2 GB/s, 10 GbE between machines; profile to refine"),
+    )
+}
+
+
+def load_cluster(name_or_path: str) -> ClusterSpec:
+    """A catalog entry by name, or a spec from a TOML file; PiperError names what is wrong."""
+    if name_or_path in CATALOG:
+        return CATALOG[name_or_path]
+    path = Path(name_or_path)
+    if not path.is_file():
+        raise PiperError(f"unknown cluster {name_or_path!r}: not a catalog name or a file; "
+                         f"known: {_known()}")
+    try:
+        data = tomllib.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as e:
+        raise PiperError(f"cluster file {path}: cannot read it as TOML: {e}; "
+                         f"or use a known cluster: {_known()}") from None
+    return _from_dict(data, path)
+
+
+def _from_dict(data: dict, path: Path) -> ClusterSpec:
+    names = [f.name for f in fields(ClusterSpec)]
+    unknown = sorted(set(data) - set(names))
+    optional = {"name", "device", "source", "memory_bandwidth"}
+    missing = [n for n in names if n not in data and n not in optional]
+    if unknown or missing:
+        raise PiperError(f"cluster file {path}: missing {missing}, unknown {unknown}; "
+                         f"fields are {names}; or use a known cluster: {_known()}")
+    for f in ("name", "device", "source"):
+        if f in data and not isinstance(data[f], str):
+            raise PiperError(f"cluster file {path}: {f} must be a string, got {data[f]!r}")
+    data = {"name": path.stem, "device": "", "source": str(path)} | data
+    for f in ("flops", "compute_efficiency", "intra_node_bandwidth", "intra_node_latency",
+              "inter_node_bandwidth", "inter_node_latency", "memory_bandwidth"):
+        # TOML spells 1e9 as an integer as often as a float; both mean the same figure
+        if _number(data.get(f)):
+            data[f] = float(data[f])
+    try:
+        return ClusterSpec(**data)
+    except PiperError as e:
+        raise PiperError(f"cluster file {path}: {e}") from None
+
+
+def to_toml(spec: ClusterSpec) -> str:
+    """The spec as flat TOML that `load_cluster` reads back to an equal spec."""
+    lines = []
+    for f in fields(ClusterSpec):
+        v = getattr(spec, f.name)
+        if v is None:
+            continue
+        lines.append(f"{f.name} = {_toml_value(v)}")
+    return "\n".join(lines) + "\n"
+
+
+def _toml_value(v: object) -> str:
+    if isinstance(v, str):
+        # TOML basic strings share JSON's escapes except \/ and \uXXXX surrogates; spell them out
+        out = ['"']
+        for ch in v:
+            if ch in '"\\':
+                out.append("\\" + ch)
+            elif ord(ch) < 0x20 or ord(ch) == 0x7F:
+                out.append(f"\\u{ord(ch):04x}")
+            else:
+                out.append(ch)
+        return "".join(out) + '"'
+    if isinstance(v, float):
+        return "inf" if v == math.inf else repr(v)
+    return str(v)
+
+
+def _known() -> str:
+    return ", ".join(CATALOG)

@@ -1,0 +1,1 @@
+"""planner: the search loop, the `piper-plan` CLI, reports and export."""

@@ -1,0 +1,59 @@
+"""Write a search's outputs: best_strategy.py / .json, trials.csv, summary.txt."""
+
+from __future__ import annotations
+
+import csv
+import shlex
+import sys
+from pathlib import Path
+
+from planner.report import predicted_line, results_table, summary_line
+from planner.search import SearchResult, TrialRecord
+from piper.model_file import ModelSpec
+
+
+def strategy_header(spec: ModelSpec, cluster: str, gpus: int, batch_size: int,
+                    rec: TrialRecord, script: Path) -> list[str]:
+    args = " ".join(f"--model-arg {k}={v}" for k, v in spec.model_args)
+    base = f"{spec.path} --gpus {gpus} {args}".replace("  ", " ").strip()
+    cmd = shlex.join(["piper-plan", *sys.argv[1:]]) if sys.argv[1:] else "piper-plan search"
+    return [
+        "Strategy found by piper-plan. Edit the directives and rerun; see docs of each directive.",
+        f"model: {spec.path}" + (f" ({args})" if args else ""),
+        f"cluster: {cluster}, {gpus} devices, global batch {batch_size}",
+        f"summary: {summary_line(rec.summary)}",
+        f"predicted: {predicted_line(rec.predicted)}",
+        f"found by: {cmd}",
+        f"simulate: piper-plan simulate {base} --cluster {cluster} --batch-size {batch_size} "
+        f"--strategy {script}",
+        f"run:      piper-plan run {base} --batch-size {batch_size} --strategy {script}",
+    ]
+
+
+def write_outputs(out: Path, spec: ModelSpec, cluster: str, gpus: int, batch_size: int,
+                  result: SearchResult) -> dict[str, Path]:
+    out.mkdir(parents=True, exist_ok=True)
+    files: dict[str, Path] = {}
+    best = result.best
+    if best is not None:
+        py, js = out / "best_strategy.py", out / "best_strategy.json"
+        py.write_text(best.program.to_python(
+            strategy_header(spec, cluster, gpus, batch_size, best, py)))
+        js.write_text(best.program.to_json() + "\n")
+        files.update(strategy_file=py, strategy_json=js)
+    trials = out / "trials.csv"
+    with trials.open("w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["trial", "dp", "pp", "microbatches", "schedule", "step_time_s",
+                    "tokens_per_s", "mfu", "max_peak_memory_bytes", "feasible"])
+        for r in sorted(result.records, key=lambda r: r.number):
+            s, p = r.summary, r.predicted
+            w.writerow([r.number, s["dp"], s["pp"], s["microbatches"], s["schedule"],
+                        p["step_time_s"], p["tokens_per_s"], p["mfu"],
+                        max(p["peak_memory_bytes"]), r.feasible])
+    summary = out / "summary.txt"
+    summary.write_text(
+        f"{result.trials} trials, {result.feasible_trials} feasible, "
+        f"{result.search_time_s:.1f} s\n\n{results_table(result.records)}\n")
+    files.update(trials=trials, summary=summary)
+    return files

@@ -1,0 +1,54 @@
+"""Human-readable reports: the results table, strategy headers and summary text."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from planner.search import TrialRecord
+
+GIB = 1024**3
+
+
+def fmt_bytes(n: float) -> str:
+    return f"{n / GIB:.2f} GiB" if n >= 0.1 * GIB else f"{n / 1024**2:.1f} MiB"
+
+
+def summary_line(s: dict[str, Any]) -> str:
+    return (f"dp={s['dp']} pp={s['pp']} tp={s['tp']} ep={s['ep']} zero={s['zero']} "
+            f"schedule={s['schedule']} v={s['virtual_stages']} mb={s['microbatches']}"
+            + (" recompute" if s["recompute"] else ""))
+
+
+def predicted_line(p: dict[str, Any]) -> str:
+    return (f"step {p['step_time_s'] * 1e3:.2f} ms, {p['tokens_per_s']:,.0f} tokens/s, "
+            f"MFU {p['mfu'] * 100:.1f}%, peak memory {fmt_bytes(max(p['peak_memory_bytes']))}"
+            " (max rank)")
+
+
+def results_table(records: Sequence[TrialRecord], top: int = 10) -> str:
+    """Best `top` trials by predicted step time, feasible first."""
+    rows = sorted(records, key=lambda r: (not r.feasible, r.predicted["step_time_s"]))[:top]
+    head = (f"{'#':>4} {'dp':>3} {'pp':>3} {'mb':>4} {'schedule':<9} {'step ms':>10} "
+            f"{'tokens/s':>12} {'MFU':>6} {'peak mem':>11} fits")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        s, p = r.summary, r.predicted
+        lines.append(f"{r.number:>4} {s['dp']:>3} {s['pp']:>3} {s['microbatches']:>4} "
+                     f"{s['schedule']:<9} {p['step_time_s'] * 1e3:>10.2f} "
+                     f"{p['tokens_per_s']:>12,.0f} {p['mfu'] * 100:>5.1f}% "
+                     f"{fmt_bytes(max(p['peak_memory_bytes'])):>11} "
+                     f"{'yes' if r.feasible else 'no'}")
+    return "\n".join(lines)
+
+
+def pareto(records: Sequence[TrialRecord]) -> list[TrialRecord]:
+    """Feasible trials not beaten on both step time and peak memory by another."""
+    pts = [r for r in records if r.feasible]
+
+    def key(r: TrialRecord) -> tuple[float, float]:
+        return r.predicted["step_time_s"], max(r.predicted["peak_memory_bytes"])
+
+    front = [r for r in pts if not any(key(o) <= key(r) and key(o) != key(r) for o in pts)]
+    unique = {key(r): r for r in sorted(front, key=lambda r: -r.number)}
+    return sorted(unique.values(), key=key)

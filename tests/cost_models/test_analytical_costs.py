@@ -1,0 +1,94 @@
+"""FLOPs and bytes per region from the captured graph, and the task durations built on them."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+
+import piper
+from cost_models import CATALOG, ClusterSpec, ModelCosts, model_costs, task_costs
+from cost_models.analytical import BACKWARD_FLOPS_RATIO, UPDATE_BYTES_PER_PARAM
+from cost_models.comm import p2p_time, ring_all_reduce_time
+from piper.dag import Kind
+from piper.model_file import load_model_file
+from runtime.plan import Plan, Task
+
+SEQ, DIM = 16, 32  # examples/gpt.py CONFIGS["tiny"]
+
+
+def test_layers_and_head_cost_flops_and_the_embedding_none(costs: ModelCosts) -> None:
+    flops = dict(zip(costs.regions, costs.forward_flops, strict=True))
+    assert flops["embed"] == 0  # a lookup, no multiply-adds
+    assert all(flops[r] > 0 for r in ("layer.0", "layer.3", "head"))
+
+
+def test_layer_forward_flops_match_the_dense_transformer_formula(costs: ModelCosts) -> None:
+    b, t, d = costs.batch, SEQ, DIM
+    linears = 2 * b * t * 12 * d * d  # qkv 3d^2 + proj d^2 + mlp 8d^2, biases excluded
+    attention = 2 * (2 * b * t * t * d)  # q @ k^T and att @ v
+    layer = costs.forward_flops[costs.regions.index("layer.1")]
+    assert layer == pytest.approx(linears + attention, rel=0.01)
+
+
+def test_flops_and_saved_bytes_scale_linearly_with_batch(costs: ModelCosts) -> None:
+    double = model_costs(piper.capture(
+        load_model_file("examples/gpt.py", (("size", "tiny"),)), 2 * costs.batch))
+    assert double.forward_flops == tuple(2 * f for f in costs.forward_flops)
+    layer = costs.regions.index("layer.0")
+    # the causal mask does not grow with batch, so bytes are linear only to within it
+    assert double.activation_bytes[layer] == pytest.approx(2 * costs.activation_bytes[layer],
+                                                           rel=0.01)
+
+
+def test_params_tokens_and_dtype_come_from_the_capture(captured: piper.Captured,
+                                                       costs: ModelCosts) -> None:
+    assert costs.regions == captured.graph.names
+    assert costs.params == tuple(r.param_numel for r in captured.graph.regions)
+    assert costs.batch == captured.graph.batch
+    assert costs.tokens_per_sample == SEQ
+    assert costs.element_size == 4
+
+
+def test_saved_bytes_of_a_layer_cover_its_output(captured: piper.Captured,
+                                                 costs: ModelCosts) -> None:
+    out = max(v.nbytes for v in captured.graph.values if v.region == 1)
+    assert costs.activation_bytes[1] > out
+
+
+def _task(plan: Plan, rank: int, kind: Kind) -> Task:
+    return next(t for t in plan.ranks[rank].tasks if t.kind is kind)
+
+
+def test_compute_durations_are_flops_over_effective_rate(
+        make_plan: Callable[..., Plan], costs: ModelCosts) -> None:
+    plan = make_plan("1f1b", pp=2, microbatches=4, dp=2)
+    c = CATALOG["a100-80gb"]
+    tc = task_costs(plan, costs, c, microbatch_size=4)
+    flops = costs.forward_flops_of(plan.stage_regions[1], 4)
+    assert flops == 2 * costs.forward_flops_of(plan.stage_regions[1], costs.batch)
+    fwd = tc.duration(2, _task(plan, 2, Kind.FWD))
+    assert fwd == pytest.approx(flops / (c.flops * c.compute_efficiency))
+    assert tc.duration(2, _task(plan, 2, Kind.BWD)) == pytest.approx(BACKWARD_FLOPS_RATIO * fwd)
+    params = costs.params_of(plan.stage_regions[1])
+    assert tc.duration(2, _task(plan, 2, Kind.UPDATE)) == pytest.approx(
+        UPDATE_BYTES_PER_PARAM * params / c.memory_bandwidth)
+    ar = _task(plan, 2, Kind.ALL_REDUCE)
+    assert tc.duration(2, ar) == pytest.approx(ring_all_reduce_time(
+        4 * params, 2, latency=c.intra_node_latency, bandwidth=c.intra_node_bandwidth))
+    assert tc.duration(0, _task(plan, 0, Kind.SEND)) == 0.0
+
+
+@pytest.mark.parametrize(("gpus_per_node", "inter"), [(8, False), (2, True)])
+def test_transfer_uses_the_inter_node_link_only_across_nodes(
+        make_plan: Callable[..., Plan], costs: ModelCosts,
+        ideal_cluster: Callable[..., ClusterSpec], gpus_per_node: int, inter: bool) -> None:
+    c = ideal_cluster(gpus_per_node=gpus_per_node, intra_node_bandwidth=1e9,
+                      intra_node_latency=1e-6, inter_node_bandwidth=1e8, inter_node_latency=1e-5)
+    plan = make_plan("1f1b", pp=2, microbatches=4, dp=2)  # ranks 0,1 -> stage 0; 2,3 -> stage 1
+    send = _task(plan, 0, Kind.SEND)
+    assert send.peer == 2
+    nbytes = 3 * sum(plan.model.value(v).nbytes for v in send.values) / plan.model.batch
+    lat, bw = (1e-5, 1e8) if inter else (1e-6, 1e9)
+    tc = task_costs(plan, costs, c, microbatch_size=3)
+    assert tc.transfer(0, send) == pytest.approx(p2p_time(nbytes, latency=lat, bandwidth=bw))

@@ -1,0 +1,90 @@
+"""ClusterSpec catalog, TOML loading and the errors a bad spec gives."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from pathlib import Path
+
+import pytest
+
+from cost_models import CATALOG, ClusterSpec, load_cluster, to_toml
+from piper.errors import PiperError
+
+GPUS = ("a100-40gb", "a100-80gb", "h100-80gb", "h200")
+OPTIONAL = ("name", "device", "source", "memory_bandwidth")
+MINIMAL = "\n".join(line for line in to_toml(CATALOG["h100-80gb"]).splitlines()
+                    if not line.startswith(OPTIONAL)) + "\n"
+NO_FLOPS = "\n".join(line for line in MINIMAL.splitlines() if not line.startswith("flops")) + "\n"
+
+
+def _write(tmp_path: Path, text: str, name: str = "c.toml") -> str:
+    path = tmp_path / name
+    path.write_text(text)
+    return str(path)
+
+
+def test_catalog_holds_the_documented_clusters() -> None:
+    assert set(CATALOG) == {*GPUS, "cpu"}
+    for name, spec in CATALOG.items():
+        assert spec.name == name
+        assert spec.source
+        assert load_cluster(name) is spec
+
+
+@pytest.mark.parametrize("name", GPUS)
+def test_gpu_nodes_have_eight_gpus_and_nvlink_faster_than_the_network(name: str) -> None:
+    spec = CATALOG[name]
+    assert spec.gpus_per_node == 8
+    assert spec.intra_node_bandwidth > spec.inter_node_bandwidth
+    assert spec.inter_node_latency >= spec.intra_node_latency
+
+
+def test_unknown_name_raises_one_line_listing_known_clusters() -> None:
+    with pytest.raises(PiperError) as e:
+        load_cluster("tpu-v9")
+    msg = str(e.value)
+    assert "tpu-v9" in msg and "\n" not in msg
+    assert all(name in msg for name in CATALOG)
+
+
+@pytest.mark.parametrize("name", sorted(CATALOG))
+def test_toml_round_trips_to_an_equal_spec(name: str, tmp_path: Path) -> None:
+    assert load_cluster(_write(tmp_path, to_toml(CATALOG[name]))) == CATALOG[name]
+
+
+def test_toml_may_omit_name_device_source_and_memory_bandwidth(tmp_path: Path) -> None:
+    spec = load_cluster(_write(tmp_path, MINIMAL, "mine.toml"))
+    assert spec.name == "mine"
+    assert spec.memory_bandwidth is None
+    assert spec.flops == CATALOG["h100-80gb"].flops
+
+
+def test_integer_figures_are_accepted_for_float_fields(tmp_path: Path) -> None:
+    spec = load_cluster(_write(tmp_path, NO_FLOPS + "flops = 100000000000000\n"))
+    assert spec.flops == 1e14 and isinstance(spec.flops, float)
+
+
+@pytest.mark.parametrize(("text", "problem"), [
+    ("gpus_per_node = [\n", "TOML"),
+    ("gpus_per_node = 8\n", "missing"),
+    (MINIMAL + "warp_speed = 9\n", "warp_speed"),
+    (NO_FLOPS + 'flops = "fast"\n', "flops"),
+    (NO_FLOPS + "flops = -1.0\n", "flops"),
+    (MINIMAL + "name = 3\n", "name"),
+])
+def test_malformed_file_raises_one_line_naming_the_problem(text: str, problem: str,
+                                                           tmp_path: Path) -> None:
+    with pytest.raises(PiperError) as e:
+        load_cluster(_write(tmp_path, text))
+    msg = str(e.value)
+    assert problem in msg and "\n" not in msg
+
+
+def test_direct_construction_validates_figures() -> None:
+    with pytest.raises(PiperError, match="compute_efficiency"):
+        ClusterSpec(**(asdict(CATALOG["cpu"]) | {"compute_efficiency": 1.5}))
+
+
+def test_node_of_fills_nodes_in_rank_order() -> None:
+    spec = CATALOG["h200"]
+    assert [spec.node_of(r) for r in (0, 7, 8, 15, 16)] == [0, 0, 1, 1, 2]

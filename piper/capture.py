@@ -13,8 +13,8 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 import torch
-import torch.fx as fx
 import torch.fx.traceback as fx_traceback
+from torch import fx
 from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind
 

@@ -164,7 +164,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     from planner.trace import write_trace
 
     spec = _spec(args)
-    cluster, _ = _cluster(args, announce=not args.json)
+    cluster, _ = _cluster(args, announce=False)
     ev = Evaluator(spec, args.gpus, _batch(args, spec), cluster)
     result = ev.evaluate(_program(args, ev))
     pred = predicted_json(result.prediction)
@@ -231,8 +231,7 @@ def cmd_search(args: argparse.Namespace) -> int:
                        for r in pareto(result.records)],
         })
     else:
-        print(b.program.to_python([f"best of {result.trials} trials: "
-                                   f"{summary_line(b.summary)}"]))
+        print(b.program.to_python([f"best of {result.trials} trials: {summary_line(b.summary)}"]))
     return EXIT_OK
 
 

@@ -7,9 +7,9 @@ import shlex
 import sys
 from pathlib import Path
 
+from piper.model_file import ModelSpec
 from planner.report import predicted_line, results_table, summary_line
 from planner.search import SearchResult, TrialRecord
-from piper.model_file import ModelSpec
 
 
 def strategy_header(spec: ModelSpec, cluster: str, gpus: int, batch_size: int,
@@ -24,8 +24,8 @@ def strategy_header(spec: ModelSpec, cluster: str, gpus: int, batch_size: int,
         f"summary: {summary_line(rec.summary)}",
         f"predicted: {predicted_line(rec.predicted)}",
         f"found by: {cmd}",
-        f"simulate: piper-plan simulate {base} --cluster {cluster} --batch-size {batch_size} "
-        f"--strategy {script}",
+        (f"simulate: piper-plan simulate {base} --cluster {cluster} --batch-size {batch_size} "
+         f"--strategy {script}"),
         f"run:      piper-plan run {base} --batch-size {batch_size} --strategy {script}",
     ]
 

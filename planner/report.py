@@ -27,8 +27,15 @@ def predicted_line(p: dict[str, Any]) -> str:
 
 
 def results_table(records: Sequence[TrialRecord], top: int = 10) -> str:
-    """Best `top` trials by predicted step time, feasible first."""
-    rows = sorted(records, key=lambda r: (not r.feasible, r.predicted["step_time_s"]))[:top]
+    """Best `top` distinct strategies by predicted step time, feasible first."""
+    ranked = sorted(records, key=lambda r: (not r.feasible, r.predicted["step_time_s"], r.number))
+    seen: set[str] = set()
+    rows = []
+    for r in ranked:
+        key = summary_line(r.summary)
+        if key not in seen and len(rows) < top:
+            seen.add(key)
+            rows.append(r)
     head = (f"{'#':>4} {'dp':>3} {'pp':>3} {'mb':>4} {'schedule':<9} {'step ms':>10} "
             f"{'tokens/s':>12} {'MFU':>6} {'peak mem':>11} fits")
     lines = [head, "-" * len(head)]

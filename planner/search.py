@@ -1,9 +1,8 @@
-"""The search loop: an Optuna study (SQLite) over a SearchSpace, driven by ask/tell."""
+"""The search loop: an Optuna study (SQLite) over a SearchSpace, scored by simulation."""
 
 from __future__ import annotations
 
 import json
-import sys
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -11,8 +10,8 @@ from typing import Any
 import optuna
 
 from cost_models import predicted_json
-from planner.evaluate import Evaluation, Evaluator
 from piper.program import Program
+from planner.evaluate import Evaluation, Evaluator
 from search_spaces import Infeasible, SearchSpace
 
 SAMPLERS = ("tpe", "grid")
@@ -57,29 +56,22 @@ def run_search(evaluator: Evaluator, space: SearchSpace, *, trials: int, timeout
     start = time.perf_counter()
     if sampler == "grid":
         trials = min(trials, _grid_size(space))
-    bar = _progress(trials) if progress else None
-    for _ in range(trials):
-        if timeout is not None and time.perf_counter() - start > timeout:
-            break
-        trial = study.ask()
+
+    def objective(trial: optuna.Trial) -> float:
         try:
             ev: Evaluation = evaluator.evaluate(space.suggest(trial))
         except Infeasible as e:
             trial.set_user_attr("pruned_reason", str(e))
-            study.tell(trial, state=optuna.trial.TrialState.PRUNED)
-        else:
-            pred = predicted_json(ev.prediction)
-            trial.set_user_attr("summary", ev.summary)
-            trial.set_user_attr("program", json.loads(ev.program.to_json()))
-            trial.set_user_attr("predicted", pred)
-            trial.set_constraint("memory", float(max(pred["peak_memory_bytes"]) - capacity))
-            study.tell(trial, ev.prediction.step_time_s)
-        if bar is not None:
-            bar.update(1)
-        if sampler == "grid" and _grid_done(study):
-            break
-    if bar is not None:
-        bar.close()
+            raise optuna.TrialPruned(str(e)) from None
+        pred = predicted_json(ev.prediction)
+        trial.set_user_attr("summary", ev.summary)
+        trial.set_user_attr("program", json.loads(ev.program.to_json()))
+        trial.set_user_attr("predicted", pred)
+        trial.set_constraint("memory", float(max(pred["peak_memory_bytes"]) - capacity))
+        return ev.prediction.step_time_s
+
+    # optimize() rather than ask/tell: GridSampler stops the study from inside its callback.
+    study.optimize(objective, n_trials=trials, timeout=timeout, show_progress_bar=progress)
     records = tuple(_record(t) for t in study.trials
                     if t.state == optuna.trial.TrialState.COMPLETE and "program" in t.user_attrs)
     feasible = [r for r in records if r.feasible]
@@ -100,14 +92,3 @@ def _grid_size(space: SearchSpace) -> int:
     return n
 
 
-def _grid_done(study: optuna.Study) -> bool:
-    sampler = study.sampler
-    return isinstance(sampler, optuna.samplers.GridSampler) and sampler.is_exhausted(study)
-
-
-def _progress(total: int) -> Any:
-    try:
-        from tqdm.auto import tqdm  # optuna's own dependency
-    except ImportError:
-        return None
-    return tqdm(total=total, desc="search", unit="trial", file=sys.stderr, leave=False)

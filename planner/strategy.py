@@ -41,7 +41,7 @@ def shorthand_program(args: argparse.Namespace, gpus: int, regions: tuple[str, .
     if pp > len(regions):
         raise PiperError(f"--pp {pp} needs at least {pp} regions; the model has {len(regions)}: "
                          f"{', '.join(regions)}")
-    m = args.microbatches or (pp if pp > 1 else 1)
+    m = args.microbatches or (max(1, pp))
     stages = [[regions[i] for i in r] for r in balanced_stages(region_costs, pp)]
     return schedules.build(args.schedule or "1f1b", stages, microbatches=m, dp=dp)
 

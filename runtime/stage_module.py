@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.fx as fx
+from torch import fx
 from torch.export.graph_signature import InputKind
 
 from piper.capture import Captured

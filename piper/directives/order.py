@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import networkx as nx
@@ -57,7 +58,7 @@ class Order(Directive):
             nodes.append(node)
         g = dag.graph.copy()
         for r in range(dag.dp):
-            for a, b in zip(nodes, nodes[1:]):
+            for a, b in itertools.pairwise(nodes):
                 a, b = Node(a.kind, a.stage, a.mb, r), Node(b.kind, b.stage, b.mb, r)
                 if not g.has_edge(a, b):
                     g.add_edge(a, b, kind="temporal", directive=index)

@@ -24,6 +24,10 @@ class Kind(enum.Enum):
     RECV = "RECV"
     ALL_REDUCE = "AR"
 
+    def __lt__(self, other: Kind) -> bool:  # nodes sort by kind first
+        order = list(Kind)
+        return order.index(self) < order.index(other)
+
     @property
     def is_compute(self) -> bool:
         return self in (Kind.FWD, Kind.BWD, Kind.UPDATE)
@@ -33,7 +37,7 @@ class Kind(enum.Enum):
         return self in (Kind.SEND, Kind.RECV)
 
 
-@dataclass(frozen=True, slots=True, order=True)
+@dataclass(frozen=True, order=True)
 class Node:
     """One task of the training step.
 
@@ -49,6 +53,24 @@ class Node:
     src: int = -1
     dst: int = -1
     grad: bool = False
+
+    def __post_init__(self) -> None:
+        # DAG rewrites hash nodes millions of times on big models; hash the fields once.
+        object.__setattr__(self, "_hash", hash((self.kind.value, self.stage, self.mb,
+                                                self.replica, self.src, self.dst, self.grad)))
+
+    def __hash__(self) -> int:
+        return self._hash  # type: ignore[attr-defined]
+
+    def __eq__(self, other: object) -> bool:
+        if self is other:
+            return True
+        if not isinstance(other, Node):
+            return NotImplemented
+        return (self._hash == other._hash and self.kind is other.kind  # type: ignore[attr-defined]
+                and self.stage == other.stage and self.mb == other.mb
+                and self.replica == other.replica and self.src == other.src
+                and self.dst == other.dst and self.grad == other.grad)
 
     @property
     def name(self) -> str:
@@ -201,11 +223,16 @@ def verify(dag: TrainingDAG) -> None:
         owners = {dag.stage_of_region(dag.model.regions[r].name) for r in regions}
         if len(owners) > 1:
             problems.append(f"parameter {param} is shared by stages {sorted(owners)}")
+    sinks = [n for n in g.nodes if n.kind is Kind.UPDATE]
+    feeds_update = set(sinks)
+    for u, v in nx.bfs_edges(g, sinks[0], reverse=True) if sinks else ():
+        feeds_update.add(v)
+    for s in sinks[1:]:
+        feeds_update.update(v for _, v in nx.bfs_edges(g, s, reverse=True))
     for n in g.nodes:
         if n.kind is Kind.FWD and Node(Kind.BWD, n.stage, n.mb, n.replica) not in g:
             problems.append(f"{n!r} has no backward")
-        if n.kind is Kind.BWD and not any(s.kind in (Kind.UPDATE, Kind.ALL_REDUCE)
-                                          for s in nx.descendants(g, n)):
+        if n.kind is Kind.BWD and n not in feeds_update:
             problems.append(f"{n!r} reaches no update")
         if n.kind is Kind.SEND:
             recvs = [s for s in g.successors(n) if s.kind is Kind.RECV]

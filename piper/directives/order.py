@@ -62,10 +62,9 @@ class Order(Directive):
                 a, b = Node(a.kind, a.stage, a.mb, r), Node(b.kind, b.stage, b.mb, r)
                 if not g.has_edge(a, b):
                     g.add_edge(a, b, kind="temporal", directive=index)
-        try:
-            cycle = nx.find_cycle(g)
-        except nx.NetworkXNoCycle:
+        if nx.is_directed_acyclic_graph(g):
             return dag.with_graph(g, ordered=dag.ordered + (self.device,))
+        cycle = nx.find_cycle(g)
         involved = sorted({g.edges[u, v].get("directive") for u, v in cycle} - {None})
         path = " -> ".join(repr(u) for u, _ in cycle) + f" -> {cycle[0][0]!r}"
         raise DirectiveError(index, self, f"order makes a cycle {path} (Order directives "

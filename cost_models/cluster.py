@@ -16,10 +16,9 @@ what a measured run reaches. A cluster that enables TF32 can say so in its own s
 from __future__ import annotations
 
 import math
+import tomllib
 from dataclasses import dataclass, fields
 from pathlib import Path
-
-import tomllib
 
 from piper.errors import PiperError
 

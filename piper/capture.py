@@ -134,6 +134,12 @@ def _final_names(tags: list[str]) -> dict[str, str]:
     for t in tags:
         base, k = t.split("#")
         out[t] = base if count[base] == 1 else f"{base}.{k}"
+    seen: dict[str, str] = {}
+    for t, name in out.items():
+        if name in seen:
+            raise PiperError(f"region name {name!r} is given twice (tags {seen[name]!r} and "
+                             f"{t!r}); rename one of them")
+        seen[name] = t
     return out
 
 
@@ -148,7 +154,10 @@ def _regions(ep: ExportedProgram, path: str, batch: int) -> Captured:
     if not tags:
         raise PiperError(f"{path}: no regions tagged; wrap parts of forward in "
                          "piper.annotate(name) or use piper.annotate_modules")
-    names = _final_names(tags)
+    try:
+        names = _final_names(tags)
+    except PiperError as e:
+        raise PiperError(f"{path}: {e}") from None
     index = {t: i for i, t in enumerate(tags)}
     region: dict[str, int] = {}
     for n in ops:  # forward pass: tagged ops, then untagged glue follows its latest input
@@ -209,8 +218,8 @@ def _regions(ep: ExportedProgram, path: str, batch: int) -> Captured:
     )
     for f in mg.flows:
         if f.src > f.dst:
-            raise PiperError(f"{path}: region {regions[f.dst].name} feeds the earlier region "
-                             f"{regions[f.src].name}; regions must be tagged in call order")
+            raise PiperError(f"{path}: region {regions[f.src].name} feeds the earlier region "
+                             f"{regions[f.dst].name}; regions must be tagged in call order")
     return Captured(program=ep, graph=mg, node_region=region)
 
 

@@ -42,6 +42,8 @@ class PipelineSpace(SearchSpace):
 
     def program(self, **params: Any) -> Program:
         pp, m, sched = params["pp"], params["microbatches"], params["schedule"]
+        if pp > len(self.regions):
+            raise Infeasible(f"pp={pp} exceeds the {len(self.regions)} regions")
         if self.gpus % pp:
             raise Infeasible(f"pp={pp} does not divide {self.gpus} devices")
         dp = self.gpus // pp

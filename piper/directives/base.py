@@ -48,6 +48,8 @@ class Directive:
 
 
 def from_dict(d: dict[str, Any]) -> Directive:
+    if not isinstance(d, dict):
+        raise TypeError(f"a directive must be a JSON object, got {d!r}")
     cls = REGISTRY.get(d.get("type", ""))
     if cls is None:
         raise ValueError(f"unknown directive type {d.get('type')!r}")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn as nn
+from torch import nn
 
 import piper
 from piper.model_file import ModelSpec, load_model_file
@@ -175,16 +175,13 @@ def test_single_use_name_stays_plain_and_repeated_name_is_numbered_in_call_order
 
 @pytest.mark.parametrize("bad", ["", "a#b", "a/b"])
 def test_annotate_rejects_empty_names_and_reserved_characters(bad: str) -> None:
-    with pytest.raises(ValueError, match="bad region name"):
-        with piper.annotate(bad):
-            pass
+    with pytest.raises(ValueError, match="bad region name"), piper.annotate(bad):
+        pass
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: capture._final_names can give two regions the "
-                   "same name (layer#1 -> layer.1 and a plain layer.1)")
-def test_numbered_names_never_collide_with_a_plain_name() -> None:
-    cap = capture_inline(CollidingNames)
-    assert len(set(cap.graph.names)) == len(cap.graph.names)
+def test_numbered_name_colliding_with_a_plain_name_is_an_error() -> None:
+    with pytest.raises(piper.PiperError, match="region name 'layer.1' is given twice"):
+        capture_inline(CollidingNames)
 
 
 # --- annotate_modules ---------------------------------------------------------------------
@@ -286,8 +283,6 @@ def test_flow_into_an_earlier_region_is_rejected() -> None:
         capture_inline(NestedRegions)
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: capture.py:212 swaps src/dst in the message; it "
-                   "says 'outer feeds the earlier region inner' though inner feeds outer")
 def test_flow_into_an_earlier_region_error_names_producer_then_consumer() -> None:
     with pytest.raises(piper.PiperError, match="region inner feeds the earlier region outer"):
         capture_inline(NestedRegions)

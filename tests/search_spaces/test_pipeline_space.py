@@ -1,0 +1,116 @@
+"""PipelineSpace: feasible points only, Programs that apply, Infeasible points, suggest()."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import optuna
+import pytest
+
+import piper
+from piper import Program, schedules
+from piper.dag import TrainingDAG
+from piper.model_file import load_model_file
+from search_spaces import Infeasible, PipelineSpace
+
+REGIONS = ("embed", "layer.0", "layer.1", "layer.2", "layer.3", "head")
+COSTS = (1.0, 4.0, 4.0, 4.0, 4.0, 2.0)
+
+
+@pytest.fixture(scope="module")
+def dag0() -> TrainingDAG:
+    cap = piper.capture(load_model_file("examples/gpt.py", (("size", "tiny"),)), 2)
+    return piper.single_device_dag(cap.graph)
+
+
+def space(gpus: int, batch_size: int, **kw: Any) -> PipelineSpace:
+    return PipelineSpace(regions=REGIONS, region_costs=COSTS, gpus=gpus, batch_size=batch_size,
+                         **kw)
+
+
+class FirstChoiceTrial:
+    """Picks the first choice of every parameter and remembers what it was asked."""
+
+    def __init__(self) -> None:
+        self.asked: dict[str, list[Any]] = {}
+
+    def suggest_categorical(self, name: str, choices: Sequence[Any]) -> Any:
+        self.asked[name] = list(choices)
+        return choices[0]
+
+
+def test_grid_lists_pp_dividing_gpus_up_to_the_region_count() -> None:
+    g = space(gpus=12, batch_size=16, max_microbatches=8).grid()
+    assert g == {"pp": [1, 2, 3, 4, 6], "microbatches": [1, 2, 4, 8],
+                 "schedule": ["gpipe", "1f1b"]}
+
+
+@pytest.mark.parametrize("gpus, batch", [(4, 8), (6, 12), (8, 4), (1, 3)])
+def test_enumerate_yields_only_feasible_points_that_apply(dag0: TrainingDAG, gpus: int,
+                                                          batch: int) -> None:
+    sp = space(gpus, batch)
+    points = list(sp.enumerate())
+    assert points
+    grid = sp.grid()
+    for params, prog in points:
+        pp, m = params["pp"], params["microbatches"]
+        dp = gpus // pp
+        assert pp * dp == gpus
+        assert batch % (dp * m) == 0
+        assert params["schedule"] in grid["schedule"]
+        s = prog.summary()
+        assert (s["pp"], s["dp"], s["microbatches"], s["schedule"]) == (pp, dp, m,
+                                                                        params["schedule"])
+        dag = prog.apply(dag0)
+        assert dag.world_size == gpus
+        assert (dag.pp, dag.dp, dag.microbatches) == (pp, dp, m)
+
+
+def test_enumerate_skips_exactly_the_infeasible_grid_points() -> None:
+    sp = space(gpus=4, batch_size=8)
+    got = {(p["pp"], p["microbatches"], p["schedule"]) for p, _ in sp.enumerate()}
+    want = {(pp, m, s) for pp in (1, 2, 4) for m in (1, 2, 4, 8) for s in ("gpipe", "1f1b")
+            if 8 % ((4 // pp) * m) == 0}
+    assert got == want
+    assert (1, 4, "gpipe") not in got  # dp=4 x 4 microbatches = 16 > 8
+
+
+@pytest.mark.parametrize("params, msg", [
+    ({"pp": 3, "microbatches": 1, "schedule": "gpipe"}, "pp=3 does not divide 4 devices"),
+    ({"pp": 1, "microbatches": 4, "schedule": "1f1b"},
+     "dp=4 x microbatches=4 does not divide batch 8"),
+])
+def test_program_of_an_infeasible_point_raises_infeasible(params: dict, msg: str) -> None:
+    with pytest.raises(Infeasible, match=msg):
+        space(gpus=4, batch_size=8).program(**params)
+
+
+def test_program_cuts_stages_by_balanced_region_cost() -> None:
+    sp = space(gpus=4, batch_size=8)
+    assert sp.stages(4) == [["embed", "layer.0"], ["layer.1"], ["layer.2"], ["layer.3", "head"]]
+    prog = sp.program(pp=2, microbatches=2, schedule="gpipe")
+    assert prog == schedules.gpipe(sp.stages(2), microbatches=2, dp=2)
+
+
+def test_suggest_asks_every_grid_parameter_and_builds_that_point(dag0: TrainingDAG) -> None:
+    sp = space(gpus=4, batch_size=8)
+    trial = FirstChoiceTrial()
+    prog = sp.suggest(trial)
+    assert trial.asked == {k: list(v) for k, v in sp.grid().items()}
+    assert prog == sp.program(pp=1, microbatches=1, schedule="gpipe")
+    assert prog.apply(dag0).world_size == 4
+
+
+def test_suggest_with_an_optuna_fixed_trial(dag0: TrainingDAG) -> None:
+    sp = space(gpus=4, batch_size=8)
+    prog = sp.suggest(optuna.trial.FixedTrial({"pp": 2, "microbatches": 4, "schedule": "1f1b"}))
+    assert isinstance(prog, Program)
+    assert prog == schedules.one_f_one_b(sp.stages(2), microbatches=4, dp=2)
+    assert prog.apply(dag0).world_size == 4
+
+
+def test_suggest_of_an_infeasible_point_raises_infeasible() -> None:
+    sp = space(gpus=4, batch_size=8)
+    with pytest.raises(Infeasible):
+        sp.suggest(optuna.trial.FixedTrial({"pp": 1, "microbatches": 8, "schedule": "gpipe"}))

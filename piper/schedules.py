@@ -1,7 +1,9 @@
 """The standard schedule library, each written only as a directive Program.
 
-`stages` lists the regions of each pipeline stage; stage s runs on device s (one stage per
-device). Every schedule returns Place + Split (+ Replicate) + one Order per device.
+`stages` lists the regions of each pipeline stage, in dataflow order. gpipe and 1f1b put
+stage s on device s; interleaved-1f1b loops the stages over `pp` devices (stage s on device
+s mod pp, `len(stages) / pp` virtual stages each). Every schedule returns
+Place + Split (+ Replicate) + one Order per device.
 """
 
 from __future__ import annotations
@@ -12,16 +14,26 @@ from piper.directives import Directive, Order, Place, Replicate, Split
 from piper.program import Program
 
 
-def _base(stages: Sequence[Sequence[str]], microbatches: int, dp: int) -> list[Directive]:
-    ds: list[Directive] = [Place(tuple(r), stage=s, device=s) for s, r in enumerate(stages)]
+def _base(stages: Sequence[Sequence[str]], microbatches: int, dp: int,
+          pp: int | None = None) -> list[Directive]:
+    pp = pp or len(stages)
+    ds: list[Directive] = [Place(tuple(r), stage=s, device=s % pp)
+                           for s, r in enumerate(stages)]
     ds.append(Split(microbatches))
     if dp > 1:
         ds.append(Replicate(dp))
     return ds
 
 
-def gpipe(stages: Sequence[Sequence[str]], *, microbatches: int, dp: int = 1) -> Program:
-    """GPipe: every forward, then every backward (in reverse microbatch order is not needed)."""
+def _one_stage_per_device(name: str, stages: Sequence[Sequence[str]], pp: int | None) -> None:
+    if pp not in (None, len(stages)):
+        raise ValueError(f"{name} runs one stage per device: pp={pp} but {len(stages)} stages")
+
+
+def gpipe(stages: Sequence[Sequence[str]], *, microbatches: int, dp: int = 1,
+          pp: int | None = None) -> Program:
+    """GPipe: every forward, then every backward."""
+    _one_stage_per_device("gpipe", stages, pp)
     ds = _base(stages, microbatches, dp)
     for s in range(len(stages)):
         fw = [f"F{s}.{m}" for m in range(microbatches)]
@@ -40,8 +52,10 @@ def one_f_one_b_order(stage: int, pp: int, microbatches: int) -> list[str]:
     return order
 
 
-def one_f_one_b(stages: Sequence[Sequence[str]], *, microbatches: int, dp: int = 1) -> Program:
+def one_f_one_b(stages: Sequence[Sequence[str]], *, microbatches: int, dp: int = 1,
+                pp: int | None = None) -> Program:
     """1F1B (PipeDream-flush): at most pp microbatches in flight on the first stage."""
+    _one_stage_per_device("1f1b", stages, pp)
     ds = _base(stages, microbatches, dp)
     pp = len(stages)
     for s in range(pp):
@@ -49,12 +63,57 @@ def one_f_one_b(stages: Sequence[Sequence[str]], *, microbatches: int, dp: int =
     return Program(ds, name="1f1b")
 
 
-SCHEDULES: dict[str, Callable[..., Program]] = {"gpipe": gpipe, "1f1b": one_f_one_b}
+def interleaved_order(device: int, pp: int, virtual: int, microbatches: int) -> list[str]:
+    """Megatron's interleaved 1F1B on one device.
+
+    Forwards walk microbatches in groups of pp, moving to the next virtual stage (chunk) after
+    each group; backwards walk the chunks in reverse. The warm-up is long enough that every
+    device has the next chunk's input by the time it needs it.
+    """
+    total = microbatches * virtual
+
+    def at(k: int, reverse: bool) -> tuple[int, int]:
+        chunk = (k // pp) % virtual
+        mb = (k // (pp * virtual)) * pp + k % pp
+        return (virtual - 1 - chunk if reverse else chunk) * pp + device, mb
+
+    fwd = [f"F{s}.{m}" for s, m in (at(k, False) for k in range(total))]
+    bwd = [f"B{s}.{m}" for s, m in (at(k, True) for k in range(total))]
+    if microbatches == pp:
+        warmup = total
+    else:
+        warmup = min((pp - device - 1) * 2 + (virtual - 1) * pp, total)
+    order = fwd[:warmup]
+    for i in range(total - warmup):
+        order += [fwd[warmup + i], bwd[i]]
+    return order + bwd[total - warmup:]
+
+
+def interleaved_1f1b(stages: Sequence[Sequence[str]], *, microbatches: int, dp: int = 1,
+                     pp: int | None = None) -> Program:
+    """Interleaved 1F1B (Megatron virtual pipeline): len(stages)/pp stages per device cut the
+    bubble by that factor; microbatches must be a multiple of pp."""
+    pp = pp or len(stages)
+    if len(stages) % pp:
+        raise ValueError(f"interleaved-1f1b: {len(stages)} stages do not split over pp={pp}")
+    if microbatches % pp:
+        raise ValueError(f"interleaved-1f1b: microbatches={microbatches} must be a multiple "
+                         f"of pp={pp}")
+    ds = _base(stages, microbatches, dp, pp)
+    v = len(stages) // pp
+    for d in range(pp):
+        ds.append(Order(d, " ".join(interleaved_order(d, pp, v, microbatches))))
+    return Program(ds, name="interleaved-1f1b")
+
+
+SCHEDULES: dict[str, Callable[..., Program]] = {
+    "gpipe": gpipe, "1f1b": one_f_one_b, "interleaved-1f1b": interleaved_1f1b}
 
 
 def build(schedule: str, stages: Sequence[Sequence[str]], *, microbatches: int,
-          dp: int = 1) -> Program:
-    """The named schedule as a Program; `KeyError` names the known ones."""
+          dp: int = 1, pp: int | None = None) -> Program:
+    """The named schedule as a Program; `KeyError` names the known ones, `ValueError` says
+    why the schedule does not fit the stages."""
     if schedule not in SCHEDULES:
         raise KeyError(f"unknown schedule {schedule!r}; known: {', '.join(SCHEDULES)}")
-    return SCHEDULES[schedule](stages, microbatches=microbatches, dp=dp)
+    return SCHEDULES[schedule](stages, microbatches=microbatches, dp=dp, pp=pp)

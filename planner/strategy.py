@@ -9,7 +9,7 @@ from piper.errors import PiperError
 from piper.program import Program
 from search_spaces.partition import balanced_stages
 
-UNSUPPORTED = {"tp": 1, "ep": 1, "zero": 0, "virtual_stages": 1, "recompute": False}
+UNSUPPORTED = {"tp": 1, "ep": 1, "zero": 0, "recompute": False}
 
 
 def degrees(args: argparse.Namespace, gpus: int) -> tuple[int, int]:
@@ -38,12 +38,22 @@ def degrees(args: argparse.Namespace, gpus: int) -> tuple[int, int]:
 def shorthand_program(args: argparse.Namespace, gpus: int, regions: tuple[str, ...],
                       region_costs: tuple[float, ...]) -> Program:
     pp, dp = degrees(args, gpus)
-    if pp > len(regions):
-        raise PiperError(f"--pp {pp} needs at least {pp} regions; the model has {len(regions)}: "
-                         f"{', '.join(regions)}")
-    m = args.microbatches or (max(1, pp))
-    stages = [[regions[i] for i in r] for r in balanced_stages(region_costs, pp)]
-    return schedules.build(args.schedule or "1f1b", stages, microbatches=m, dp=dp)
+    schedule = args.schedule or "1f1b"
+    v = args.virtual_stages or 1
+    if v < 1:
+        raise PiperError(f"--virtual-stages must be >= 1, got {v}")
+    if v > 1 and schedule != "interleaved-1f1b":
+        raise PiperError(f"--virtual-stages {v} needs --schedule interleaved-1f1b, "
+                         f"not {schedule}")
+    if pp * v > len(regions):
+        raise PiperError(f"--pp {pp} x --virtual-stages {v} needs at least {pp * v} regions; "
+                         f"the model has {len(regions)}: {', '.join(regions)}")
+    m = args.microbatches or pp
+    stages = [[regions[i] for i in r] for r in balanced_stages(region_costs, pp * v)]
+    try:
+        return schedules.build(schedule, stages, microbatches=m, dp=dp, pp=pp)
+    except ValueError as e:
+        raise PiperError(str(e)) from None
 
 
 def add_shorthand_flags(p: argparse.ArgumentParser) -> None:
@@ -54,7 +64,8 @@ def add_shorthand_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--ep", type=int, help="expert parallel degree (not supported yet)")
     g.add_argument("--zero", type=int, choices=[0, 1, 2, 3], help="ZeRO stage (0 only so far)")
     g.add_argument("--schedule", choices=sorted(schedules.SCHEDULES), help="default 1f1b")
-    g.add_argument("--virtual-stages", type=int, help="stages per pipeline rank (1 only so far)")
+    g.add_argument("--virtual-stages", type=int,
+                   help="stages per pipeline rank (interleaved-1f1b)")
     g.add_argument("--microbatches", type=int, help="microbatches per replica (default pp)")
     g.add_argument("--recompute", action="store_true", default=False,
                    help="activation recompute (not supported yet)")

@@ -18,6 +18,11 @@ CASES = {
     "pp2_gpipe": ["--gpus", "2", "--pp", "2", "--schedule", "gpipe", "--microbatches", "4"],
     "pp4_1f1b": ["--gpus", "4", "--pp", "4", "--schedule", "1f1b", "--microbatches", "8"],
     "dp4": ["--gpus", "4", "--dp", "4", "--microbatches", "2"],
+    "pp2_interleaved_v2": ["--gpus", "2", "--pp", "2", "--schedule", "interleaved-1f1b",
+                           "--virtual-stages", "2", "--microbatches", "4"],
+    "pp2_interleaved_v3_dp2": ["--gpus", "4", "--pp", "2", "--dp", "2", "--schedule",
+                               "interleaved-1f1b", "--virtual-stages", "3",
+                               "--microbatches", "2"],
 }
 
 

@@ -1,0 +1,74 @@
+"""Contract every schedule in the library meets, run against each one: a Program of
+directives only, covering every chunk task once, deadlock-free, and round-tripping."""
+
+from __future__ import annotations
+
+import pytest
+
+import piper
+from piper import schedules
+from piper.dag import Kind
+from piper.model_file import load_model_file
+from runtime.scheduler import schedule
+from tests.conftest import GPT
+
+
+@pytest.fixture(scope="module")
+def dag0():
+    cap = piper.capture(load_model_file(GPT, (("size", "tiny"),)), 2)
+    return piper.single_device_dag(cap.graph)
+
+
+def cut(names: tuple[str, ...], k: int) -> list[list[str]]:
+    size = len(names) // k
+    stages = [list(names[i * size:(i + 1) * size]) for i in range(k)]
+    stages[-1] += names[k * size:]
+    return stages
+
+
+def shapes(name: str) -> list[tuple[int, int, int]]:
+    """(pp, stages, microbatches) combinations a schedule accepts on 6 regions."""
+    if name == "interleaved-1f1b":
+        return [(2, 4, 2), (2, 4, 4), (2, 6, 6), (3, 6, 3), (2, 4, 8)]
+    return [(1, 1, 1), (2, 2, 1), (2, 2, 4), (3, 3, 5), (6, 6, 8)]
+
+
+CASES = [(n, *s) for n in schedules.SCHEDULES for s in shapes(n)]
+
+
+@pytest.mark.parametrize(("name", "pp", "n_stages", "m"), CASES)
+@pytest.mark.parametrize("dp", [1, 2])
+def test_schedule_contract(dag0, name, pp, n_stages, m, dp):
+    prog = schedules.build(name, cut(dag0.model.names, n_stages), microbatches=m, dp=dp, pp=pp)
+    assert all(isinstance(d, piper.Directive) for d in prog.directives)
+    assert piper.Program.from_json(prog.to_json()) == prog
+    dag = prog.apply(dag0)
+    assert (dag.pp, dag.dp, len(dag.stages)) == (pp, dp, n_stages)
+    plan = schedule(dag)  # includes the deadlock dry run
+    for rp in plan.ranks:
+        chunks = [t.name for t in rp.tasks if t.kind in (Kind.FWD, Kind.BWD)]
+        expected = {f"{k}{s}.{mb}" for s in rp.stages for mb in range(m) for k in "FB"}
+        assert sorted(chunks) == sorted(expected), "every chunk task of the rank exactly once"
+    summary = prog.summary()
+    assert (summary["pp"], summary["dp"], summary["microbatches"]) == (pp, dp, m)
+    assert summary["virtual_stages"] == n_stages // pp
+
+
+def test_interleaved_places_stages_round_robin(dag0):
+    prog = schedules.interleaved_1f1b(cut(dag0.model.names, 4), microbatches=4, pp=2)
+    dag = prog.apply(dag0)
+    assert [s.device for s in dag.stages] == [0, 1, 0, 1]
+
+
+@pytest.mark.parametrize(("stages", "m", "pp", "match"), [
+    (4, 3, 2, "multiple of pp=2"),
+    (3, 2, 2, "do not split over pp=2"),
+])
+def test_interleaved_rejects_shapes_it_cannot_run(dag0, stages, m, pp, match):
+    with pytest.raises(ValueError, match=match):
+        schedules.interleaved_1f1b(cut(dag0.model.names, stages), microbatches=m, pp=pp)
+
+
+def test_one_stage_schedules_reject_extra_stages(dag0):
+    with pytest.raises(ValueError, match="one stage per device"):
+        schedules.one_f_one_b(cut(dag0.model.names, 4), microbatches=2, pp=2)

@@ -201,6 +201,10 @@ class TaskCosts:
             lat, bw = comm.link(self.cluster, task.group)
             return comm.ring_all_reduce_time(self.gradient_bytes[task.stage], len(task.group),
                                              latency=lat, bandwidth=bw)
+        if k in (Kind.ALL_GATHER, Kind.REDUCE_SCATTER):  # ZeRO: parameters or gradients
+            lat, bw = comm.link(self.cluster, task.group)
+            return comm.ring_all_gather_time(self.gradient_bytes[task.stage], len(task.group),
+                                             latency=lat, bandwidth=bw)
         raise NotImplementedError(f"no cost model for task kind {k.name} ({task.name})")
 
     def transfer(self, rank: int, task: Task) -> float:
@@ -216,10 +220,12 @@ def task_costs(plan: Plan, costs: ModelCosts, cluster: ClusterSpec,
     rate = cluster.effective_flops
     fwd = tuple(costs.forward_flops_of(rs, microbatch_size) / rate for rs in plan.stage_regions)
     params = tuple(costs.params_of(rs) for rs in plan.stage_regions)
+    shards = plan.dp if plan.zero else 1  # ZeRO ranks update only their shard
     if cluster.memory_bandwidth is None:
         update = tuple(0.0 for _ in params)
     else:
-        update = tuple(UPDATE_BYTES_PER_PARAM * p / cluster.memory_bandwidth for p in params)
+        update = tuple(UPDATE_BYTES_PER_PARAM * p / shards / cluster.memory_bandwidth
+                       for p in params)
     scale = microbatch_size / plan.model.batch
     return TaskCosts(
         cluster=cluster,

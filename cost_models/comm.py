@@ -29,6 +29,16 @@ def ring_all_reduce_time(nbytes: float, ranks: int, *, latency: float,
     return 2 * (p - 1) * latency + 2 * (p - 1) / p * nbytes / bandwidth
 
 
+def ring_all_gather_time(nbytes: float, ranks: int, *, latency: float,
+                         bandwidth: float) -> float:
+    """Ring all-gather (or reduce-scatter) of an n-byte result over p ranks:
+    (p-1) alpha + (p-1)/p * n / beta — half an all-reduce."""
+    if ranks <= 1:
+        return 0.0
+    p = ranks
+    return (p - 1) * latency + (p - 1) / p * nbytes / bandwidth
+
+
 def link(cluster: ClusterSpec, ranks: Iterable[int]) -> tuple[float, float]:
     """(latency, bandwidth) of the slowest link `ranks` span: inter-node once two nodes are in.
 

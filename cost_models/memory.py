@@ -1,8 +1,11 @@
 """Memory model: static training state per rank plus activations held between F and B.
 
-Static bytes are those of ZeRO-0 training: each parameter costs its value and its
-gradient in the model dtype plus AdamW's two fp32 moments, 16 bytes for an fp32 model (the
-16-psi of the ZeRO paper's accounting). Activations of a microbatch live from the start of its
+Static bytes follow the ZeRO paper's accounting (Rajbhandari et al. 2020) for an fp32 model
+with AdamW: K = 16 bytes per parameter at ZeRO-0 (value 4 + gradient 4 + two moments 8).
+Over N data-parallel replicas, ZeRO-1 shards the optimizer state (4 + 4 + 8/N), ZeRO-2 also
+the gradients (4 + 12/N), ZeRO-3 everything (16/N). ZeRO-3 adds the stage's gathered
+parameters while one of its chunks runs; ZeRO-2/3 add a microbatch's full gradient from its
+backward to its reduce-scatter. Activations of a microbatch live from the start of its
 forward to the end of its backward, which is what separates GPipe from 1F1B.
 """
 
@@ -28,11 +31,18 @@ def stage_params(plan: Plan, costs: ModelCosts) -> tuple[int, ...]:
     return tuple(costs.params_of(rs) for rs in plan.stage_regions)
 
 
+def zero_bytes_per_param(element_size: int, zero: int, replicas: int) -> float:
+    """Model-state bytes per parameter per rank at a ZeRO stage (the paper's formulas)."""
+    e, n, opt = element_size, replicas, OPTIMIZER_STATE_BYTES
+    return {0: 2 * e + opt, 1: 2 * e + opt / n, 2: e + (e + opt) / n,
+            3: (2 * e + opt) / n}[zero]
+
+
 def static_bytes(plan: Plan, costs: ModelCosts) -> tuple[int, ...]:
     """Per rank: parameters, gradients and optimizer state of the stages it holds."""
     params = stage_params(plan, costs)
-    per = bytes_per_param(costs)
-    return tuple(per * sum(params[s] for s in rp.stages) for rp in plan.ranks)
+    per = zero_bytes_per_param(costs.element_size, plan.zero, plan.dp)
+    return tuple(round(per * sum(params[s] for s in rp.stages)) for rp in plan.ranks)
 
 
 def activation_bytes(plan: Plan, costs: ModelCosts, microbatch_size: int) -> tuple[int, ...]:
@@ -50,6 +60,9 @@ def peak_memory(plan: Plan, costs: ModelCosts, microbatch_size: int,
     """
     static = static_bytes(plan, costs)
     act = activation_bytes(plan, costs, microbatch_size)
+    full = tuple(costs.element_size * p for p in stage_params(plan, costs))
+    gathered = full if plan.zero == 3 else tuple(0 for _ in full)  # live while a chunk runs
+    grad_buf = full if plan.zero >= 2 else tuple(0 for _ in full)  # from B to its RS
     by_rank: dict[int, list[tuple[float, float, int, Span]]] = {rp.rank: [] for rp in plan.ranks}
     # ties in time (zero-length tasks) keep the executor's completion order, which is causal
     for i, s in enumerate(spans):
@@ -58,10 +71,12 @@ def peak_memory(plan: Plan, costs: ModelCosts, microbatch_size: int,
     for rp, base in zip(plan.ranks, static, strict=True):
         live = peak = base
         for _, _, _, s in sorted(by_rank[rp.rank]):
+            st = s.task.stage
             if s.task.kind is Kind.FWD:
-                live += act[s.task.stage]
-                peak = max(peak, live)
+                live += act[st]
+                peak = max(peak, live + gathered[st])
             elif s.task.kind is Kind.BWD:
-                live -= act[s.task.stage]
+                peak = max(peak, live + gathered[st] + grad_buf[st])
+                live -= act[st]
         peaks.append(peak)
     return tuple(peaks)

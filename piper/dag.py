@@ -23,6 +23,12 @@ class Kind(enum.Enum):
     SEND = "SEND"
     RECV = "RECV"
     ALL_REDUCE = "AR"
+    ALL_GATHER = "AG"
+    REDUCE_SCATTER = "RS"
+
+    @property
+    def is_collective(self) -> bool:
+        return self in (Kind.ALL_REDUCE, Kind.ALL_GATHER, Kind.REDUCE_SCATTER)
 
     def __lt__(self, other: Kind) -> bool:  # nodes sort by kind first
         order = list(Kind)
@@ -43,7 +49,10 @@ class Node:
 
     `stage` is the stage whose device runs the node. For P2P nodes `src`/`dst` are the stages
     the message goes between (for gradients `src` is the consumer stage); `grad` marks the
-    backward direction.
+    backward direction. ZeRO collectives: ALL_GATHER with a microbatch materialises the
+    stage's parameters for its forward (or, with `grad`, its backward); without one it
+    re-gathers them after the update. REDUCE_SCATTER with a microbatch shards that
+    microbatch's gradients; without one, the accumulated gradients.
     """
 
     kind: Kind
@@ -78,8 +87,10 @@ class Node:
         k = self.kind.value
         if self.kind.is_p2p:
             return f"{k}_{'B' if self.grad else 'F'}{self.src}>{self.dst}.{self.mb}"
-        if self.kind in (Kind.UPDATE, Kind.ALL_REDUCE):
+        if self.kind in (Kind.UPDATE, Kind.ALL_REDUCE) or self.mb < 0:
             return f"{k}{self.stage}"
+        if self.kind is Kind.ALL_GATHER:
+            return f"{k}_{'B' if self.grad else 'F'}{self.stage}.{self.mb}"
         return f"{k}{self.stage}.{self.mb}"
 
     def __repr__(self) -> str:

@@ -15,13 +15,13 @@ from piper.program import Program
 
 
 def _base(stages: Sequence[Sequence[str]], microbatches: int, dp: int,
-          pp: int | None = None) -> list[Directive]:
+          pp: int | None = None, zero: int = 0) -> list[Directive]:
     pp = pp or len(stages)
     ds: list[Directive] = [Place(tuple(r), stage=s, device=s % pp)
                            for s, r in enumerate(stages)]
     ds.append(Split(microbatches))
-    if dp > 1:
-        ds.append(Replicate(dp))
+    if dp > 1 or zero:
+        ds.append(Replicate(dp, zero=zero))
     return ds
 
 
@@ -31,10 +31,10 @@ def _one_stage_per_device(name: str, stages: Sequence[Sequence[str]], pp: int | 
 
 
 def gpipe(stages: Sequence[Sequence[str]], *, microbatches: int, dp: int = 1,
-          pp: int | None = None) -> Program:
+          zero: int = 0, pp: int | None = None) -> Program:
     """GPipe: every forward, then every backward."""
     _one_stage_per_device("gpipe", stages, pp)
-    ds = _base(stages, microbatches, dp)
+    ds = _base(stages, microbatches, dp, zero=zero)
     for s in range(len(stages)):
         fw = [f"F{s}.{m}" for m in range(microbatches)]
         bw = [f"B{s}.{m}" for m in range(microbatches)]
@@ -53,10 +53,10 @@ def one_f_one_b_order(stage: int, pp: int, microbatches: int) -> list[str]:
 
 
 def one_f_one_b(stages: Sequence[Sequence[str]], *, microbatches: int, dp: int = 1,
-                pp: int | None = None) -> Program:
+                zero: int = 0, pp: int | None = None) -> Program:
     """1F1B (PipeDream-flush): at most pp microbatches in flight on the first stage."""
     _one_stage_per_device("1f1b", stages, pp)
-    ds = _base(stages, microbatches, dp)
+    ds = _base(stages, microbatches, dp, zero=zero)
     pp = len(stages)
     for s in range(pp):
         ds.append(Order(s, " ".join(one_f_one_b_order(s, pp, microbatches))))
@@ -90,16 +90,20 @@ def interleaved_order(device: int, pp: int, virtual: int, microbatches: int) -> 
 
 
 def interleaved_1f1b(stages: Sequence[Sequence[str]], *, microbatches: int, dp: int = 1,
-                     pp: int | None = None) -> Program:
+                     zero: int = 0, pp: int | None = None) -> Program:
     """Interleaved 1F1B (Megatron virtual pipeline): len(stages)/pp stages per device cut the
-    bubble by that factor; microbatches must be a multiple of pp."""
+    bubble by that factor; microbatches must be a multiple of pp. With one stage per device
+    it is plain 1F1B."""
     pp = pp or len(stages)
     if len(stages) % pp:
         raise ValueError(f"interleaved-1f1b: {len(stages)} stages do not split over pp={pp}")
+    if len(stages) == pp:
+        prog = one_f_one_b(stages, microbatches=microbatches, dp=dp, zero=zero)
+        return Program(prog.directives, name="interleaved-1f1b")
     if microbatches % pp:
         raise ValueError(f"interleaved-1f1b: microbatches={microbatches} must be a multiple "
                          f"of pp={pp}")
-    ds = _base(stages, microbatches, dp, pp)
+    ds = _base(stages, microbatches, dp, pp, zero)
     v = len(stages) // pp
     for d in range(pp):
         ds.append(Order(d, " ".join(interleaved_order(d, pp, v, microbatches))))
@@ -111,9 +115,9 @@ SCHEDULES: dict[str, Callable[..., Program]] = {
 
 
 def build(schedule: str, stages: Sequence[Sequence[str]], *, microbatches: int,
-          dp: int = 1, pp: int | None = None) -> Program:
+          dp: int = 1, pp: int | None = None, zero: int = 0) -> Program:
     """The named schedule as a Program; `KeyError` names the known ones, `ValueError` says
     why the schedule does not fit the stages."""
     if schedule not in SCHEDULES:
         raise KeyError(f"unknown schedule {schedule!r}; known: {', '.join(SCHEDULES)}")
-    return SCHEDULES[schedule](stages, microbatches=microbatches, dp=dp, pp=pp)
+    return SCHEDULES[schedule](stages, microbatches=microbatches, dp=dp, pp=pp, zero=zero)

@@ -9,7 +9,7 @@ from piper.errors import PiperError
 from piper.program import Program
 from search_spaces.partition import balanced_stages
 
-UNSUPPORTED = {"tp": 1, "ep": 1, "zero": 0, "recompute": False}
+UNSUPPORTED = {"tp": 1, "ep": 1, "recompute": False}
 
 
 def degrees(args: argparse.Namespace, gpus: int) -> tuple[int, int]:
@@ -51,7 +51,8 @@ def shorthand_program(args: argparse.Namespace, gpus: int, regions: tuple[str, .
     m = args.microbatches or pp
     stages = [[regions[i] for i in r] for r in balanced_stages(region_costs, pp * v)]
     try:
-        return schedules.build(schedule, stages, microbatches=m, dp=dp, pp=pp)
+        return schedules.build(schedule, stages, microbatches=m, dp=dp, pp=pp,
+                               zero=args.zero or 0)
     except ValueError as e:
         raise PiperError(str(e)) from None
 
@@ -62,7 +63,8 @@ def add_shorthand_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dp", type=int, help="data-parallel replicas")
     g.add_argument("--tp", type=int, help="tensor parallel degree (not supported yet)")
     g.add_argument("--ep", type=int, help="expert parallel degree (not supported yet)")
-    g.add_argument("--zero", type=int, choices=[0, 1, 2, 3], help="ZeRO stage (0 only so far)")
+    g.add_argument("--zero", type=int, choices=[0, 1, 2, 3],
+                   help="ZeRO stage of the data-parallel replicas (default 0)")
     g.add_argument("--schedule", choices=sorted(schedules.SCHEDULES), help="default 1f1b")
     g.add_argument("--virtual-stages", type=int,
                    help="stages per pipeline rank (interleaved-1f1b)")

@@ -21,6 +21,7 @@ from piper.model_file import ModelSpec
 from runtime.memory import MemoryLedger
 from runtime.plan import Plan, RankPlan, Task
 from runtime.stage_module import StageModule, build_stage
+from runtime.zero import ShardedStage
 
 
 @dataclass
@@ -35,6 +36,7 @@ class StepOutcome:
     loss_sum: float | None  # sum of this rank's scaled microbatch losses (output stage only)
     time_s: float
     peak_memory_bytes: int
+    model_state_bytes: int  # peak of parameters + gradients + optimizer state so far
     spans: list[tuple[Task, float, float]] = field(default_factory=list)
 
 
@@ -58,7 +60,9 @@ class RankExecutor:
         self.stages: dict[int, StageModule] = {}
         self.params: dict[int, list[torch.nn.Parameter]] = {}
         self.inputs: dict[int, list[torch.Tensor | None]] = {}
+        self.slot: dict[int, list[int]] = {}  # input position -> index into params[s] or -1
         self.optim: dict[int, torch.optim.Optimizer] = {}
+        self.sharded: dict[int, ShardedStage] = {}
         names = plan.model.names
         for s in self.rp.stages:
             regions = {names.index(r) for r in plan.stage_regions[s]}
@@ -75,8 +79,21 @@ class RankExecutor:
                 else:
                     fixed.append(None)
             self.params[s] = list(dict.fromkeys(ps))  # a param used twice is updated once
+            index = {id(p): i for i, p in enumerate(self.params[s])}
+            self.slot[s] = [index[id(params[key])] if kind == "param" else -1  # type: ignore
+                            for kind, key in sm.inputs]
             self.inputs[s] = fixed
-            self.optim[s] = spec.make_optimizer(self.params[s])
+            if not self.params[s]:
+                continue  # nothing to update (or communicate) for a parameter-free stage
+            if plan.zero:
+                first = self.rp.device * plan.dp
+                ranks = tuple(range(first, first + plan.dp))
+                self.sharded[s] = ShardedStage(self.params[s], plan.zero, groups[ranks],
+                                               rank - first, plan.dp)
+                self.params[s] = []  # the full copies are released; the flat buffer rules
+                self.optim[s] = spec.make_optimizer([self.sharded[s].shard])
+            else:
+                self.optim[s] = spec.make_optimizer(self.params[s])
         del model  # parameters not on this rank are released here
         torch.manual_seed(seed)
         inputs, targets = spec.batch(batch_size)
@@ -96,7 +113,7 @@ class RankExecutor:
         pending: list[Any] = []
         loss_sum = 0.0
         spans: list[tuple[Task, float, float]] = []
-        self.ledger.start_step(self.params, self.optim)
+        self.ledger.start_step()
         t0 = time.perf_counter()
         for task in self.rp.tasks:
             ts = time.perf_counter()
@@ -119,28 +136,45 @@ class RankExecutor:
                                       device=self.device)
                     dist.irecv(buf, src=task.peer, tag=task.tag + k).wait()
                     (grads if task.grad else acts)[(v, task.mb)] = buf
+            elif task.kind.is_collective and task.stage not in self.optim:
+                pass  # a parameter-free stage: every replica skips alike
             elif task.kind is Kind.ALL_REDUCE:
                 self._all_reduce(task)
+            elif task.kind is Kind.ALL_GATHER:
+                self.sharded[task.stage].materialize()
+            elif task.kind is Kind.REDUCE_SCATTER:
+                self.sharded[task.stage].reduce_scatter(task.mb)
+            elif task.kind is Kind.UPDATE and task.stage not in self.optim:
+                pass
             elif task.kind is Kind.UPDATE:
-                self.optim[task.stage].step()
-                self.optim[task.stage].zero_grad(set_to_none=True)
+                if task.stage in self.sharded:
+                    self.sharded[task.stage].step(self.optim[task.stage])
+                else:
+                    self.optim[task.stage].step()
+                    self.optim[task.stage].zero_grad(set_to_none=True)
             spans.append((task, ts - t0, time.perf_counter() - t0))
-            self.ledger.observe(saved)
+            self.ledger.observe(self.params, self.optim, self.sharded, saved)
         for work, _ in pending:
             work.wait()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         elapsed = time.perf_counter() - t0
         has_loss = self.plan.output_stage in self.rp.stages
-        return StepOutcome(loss_sum if has_loss else None, elapsed, self.ledger.peak(), spans)
+        return StepOutcome(loss_sum if has_loss else None, elapsed, self.ledger.peak(),
+                           self.ledger.model_state_peak(), spans)
 
     def _forward(self, task: Task, acts: dict[tuple[str, int], torch.Tensor]) -> _Saved:
         sm = self.stages[task.stage]
         lo, hi = task.mb * self.mb_size, (task.mb + 1) * self.mb_size
         args: list[torch.Tensor] = []
         leaves: list[tuple[str, torch.Tensor]] = []
-        for (kind, key), fixed in zip(sm.inputs, self.inputs[task.stage]):
-            if fixed is not None:
+        shard = self.sharded.get(task.stage)
+        views = shard.views() if shard is not None else []
+        for (kind, key), fixed, slot in zip(sm.inputs, self.inputs[task.stage],
+                                             self.slot[task.stage]):
+            if shard is not None and slot >= 0:
+                args.append(views[slot])
+            elif fixed is not None:
                 args.append(fixed)
             elif kind == "input":
                 args.append(self.batch[key][lo:hi])  # type: ignore[index]
@@ -151,6 +185,9 @@ class RankExecutor:
                     leaves.append((key, x))  # type: ignore[arg-type]
                 args.append(x)
         outs = dict(zip(sm.outputs, sm.module(*args)))
+        del views
+        if shard is not None and shard.zero == 3:
+            shard.free()  # reshard after every chunk; backward gathers again
         for name, t in outs.items():
             acts[(name, task.mb)] = t
         saved = _Saved(leaves, outs)
@@ -173,13 +210,21 @@ class RankExecutor:
             if g is not None and t.requires_grad:
                 roots.append(t)
                 seeds.append(g)
-        params = self.params[task.stage]
+        shard = self.sharded.get(task.stage)
+        params = [shard.flat] if shard is not None else self.params[task.stage]
         leaves = [x for _, x in saved.acts]
         got = torch.autograd.grad(roots, leaves + params, seeds, allow_unused=True)
         for (name, x), g in zip(saved.acts, got[:len(leaves)]):
             g = torch.zeros_like(x) if g is None else g
             key = (name, task.mb)
             grads[key] = grads[key] + g if key in grads else g
+        if shard is not None:
+            g = got[len(leaves)]
+            shard.add_grad(task.mb, torch.zeros_like(shard.shard).repeat(shard.size)
+                           if g is None else g)
+            if shard.zero == 3:
+                shard.free()
+            return
         for p, g in zip(params, got[len(leaves):]):
             if g is not None:
                 p.grad = g if p.grad is None else p.grad + g

@@ -38,6 +38,7 @@ class RunResult:
     peak_memory_bytes: tuple[int, ...]
     plan: Plan
     spans: tuple[Span, ...] = ()  # the last step's measured timeline
+    model_state_bytes: tuple[int, ...] = ()  # per rank: peak params + grads + optimizer state
 
 
 def microbatch_size(batch_size: int, dp: int, microbatches: int) -> int:
@@ -104,7 +105,8 @@ def run(spec: ModelSpec, plan: Plan, *, batch_size: int, steps: int, seed: int,
             spans = tuple(Span(r, COMPUTE_STREAM, t, a, b) for r, o in enumerate(outs)
                           for t, a, b in o.spans)
         _gather([a.shutdown.remote() for a in actors], timeout_s, "shutdown")
-        return RunResult(tuple(results), tuple(peaks), plan, spans)
+        states = tuple(o.model_state_bytes for o in outs)
+        return RunResult(tuple(results), tuple(peaks), plan, spans, states)
     finally:
         for a in actors:
             ray.kill(a)

@@ -1,7 +1,9 @@
-"""Memory ledger per rank: what the rank holds, by category, and the step's peak.
+"""Memory ledger per rank: what the rank holds, by category, and the step's peaks.
 
-On CUDA the allocator's own peak is the truth; on CPU we count the tensors we own:
-parameters, gradients, optimizer state and the activations saved for backward.
+On CUDA the allocator's own peak is the truth for the total; on CPU we count the tensors we
+own. Categories: model state (parameters, gradients, optimizer state — what ZeRO shards),
+transient buffers (ZeRO's gathered parameters and unsharded gradients) and the activations
+saved for backward.
 """
 
 from __future__ import annotations
@@ -10,36 +12,53 @@ from typing import Any
 
 import torch
 
+from runtime.zero import ShardedStage
 
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
+
+def _nbytes(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.numel() * t.element_size()
+
+
+def optimizer_state_bytes(optim: torch.optim.Optimizer) -> int:
+    return sum(_nbytes(v) for st in optim.state.values() for v in st.values()
+               if isinstance(v, torch.Tensor) and v.dim() > 0)
 
 
 class MemoryLedger:
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self.static = 0
         self._peak = 0
+        self._model_state_peak = 0
 
-    def start_step(self, params: dict[int, list[torch.nn.Parameter]],
-                   optim: dict[int, torch.optim.Optimizer]) -> None:
-        """Parameters + gradients + optimizer state (the latter exists after the first step)."""
-        ps = [p for group in params.values() for p in group]
-        state = sum(_nbytes(v) for o in optim.values() for st in o.state.values()
-                    for v in st.values() if isinstance(v, torch.Tensor) and v.dim() > 0)
-        self.static = sum(2 * _nbytes(p) for p in ps) + state
-        self._peak = self.static
+    def start_step(self) -> None:
+        self._peak = 0
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
 
-    def observe(self, saved: dict[Any, Any]) -> None:
+    def observe(self, params: dict[int, list[torch.nn.Parameter]],
+                optim: dict[int, torch.optim.Optimizer], sharded: dict[int, ShardedStage],
+                saved: dict[Any, Any]) -> None:
+        model, transient = 0, 0
+        for s, ps in params.items():
+            if s in optim:
+                model += optimizer_state_bytes(optim[s])
+            if s in sharded:
+                model += sharded[s].model_state_bytes()
+                transient += sharded[s].transient_bytes()
+            else:
+                model += sum(_nbytes(p) + _nbytes(p.grad) for p in ps)
         live = 0
-        for s in saved.values():
-            live += sum(_nbytes(t) for t in s.outputs.values())
-            live += sum(_nbytes(t) for _, t in s.acts)
-        self._peak = max(self._peak, self.static + live)
+        for sv in saved.values():
+            live += sum(_nbytes(t) for t in sv.outputs.values())
+            live += sum(_nbytes(t) for _, t in sv.acts)
+        self._model_state_peak = max(self._model_state_peak, model)
+        self._peak = max(self._peak, model + transient + live)
 
     def peak(self) -> int:
         if self.device.type == "cuda":
             return int(torch.cuda.max_memory_allocated(self.device))
         return self._peak
+
+    def model_state_peak(self) -> int:
+        """Peak of parameters + gradients + optimizer state over every step so far."""
+        return self._model_state_peak

@@ -66,6 +66,7 @@ class Plan:
     microbatches: int
     ranks: tuple[RankPlan, ...]
     groups: tuple[tuple[int, ...], ...]  # collective groups, in the order to create them
+    zero: int = 0  # ZeRO stage of the data-parallel replicas
 
     @property
     def world_size(self) -> int:

@@ -4,8 +4,9 @@ Passes, in order:
 1. `compute_order`  — one global topological order of all nodes (data + temporal edges),
    ties broken GPipe-style; each rank's chunk tasks are its projection, so every cross-rank
    path is respected.
-2. `place_comms`    — SEND right after its producer, RECV right before its consumer,
-   ALL_REDUCE right after the last backward of its stage, UPDATE at the end.
+2. `place_comms`    — SEND right after its producer, RECV and ZeRO-3's ALL_GATHER right
+   before their consumer, ALL_REDUCE / REDUCE_SCATTER right after the last backward they
+   need, UPDATE at the end followed by its parameter ALL_GATHER.
 3. `dry_run`        — execute the Plan with blocking semantics; raises on deadlock.
 """
 
@@ -48,8 +49,9 @@ def schedule(dag: TrainingDAG, *, check: bool = True) -> Plan:
             return Task(n.kind, n.stage, n.mb, peer=dag.rank_of(peer_node), values=values,
                         grad=n.grad, tag=tags[(n.src, n.dst, n.grad, n.mb, n.replica)],
                         name=n.name)
-        if n.kind is Kind.ALL_REDUCE:
-            return Task(n.kind, n.stage, group=group_of[n.stage], name=n.name)
+        if n.kind.is_collective:
+            return Task(n.kind, n.stage, n.mb, grad=n.grad, group=group_of[n.stage],
+                        name=n.name)
         return Task(n.kind, n.stage, n.mb, name=n.name)
 
     ranks = []
@@ -57,15 +59,22 @@ def schedule(dag: TrainingDAG, *, check: bool = True) -> Plan:
         mine = [n for n in order if dag.rank_of(n) == rank]
         chunks = [n for n in mine if n.kind in (Kind.FWD, Kind.BWD)]
         seq: list[Node] = []
+        placed: set[Node] = set()
+
+        def add(nodes: list[Node], seq: list[Node] = seq, placed: set[Node] = placed) -> None:
+            seq.extend(nodes)
+            placed.update(nodes)
+
         for c in chunks:
-            seq += [p for p in g.predecessors(c) if p.kind is Kind.RECV]
-            seq.append(c)
-            seq += sorted(s for s in g.successors(c) if s.kind is Kind.SEND)
+            add(sorted(p for p in g.predecessors(c) if p.kind in (Kind.RECV, Kind.ALL_GATHER)))
+            add([c])
+            add(sorted(s for s in g.successors(c) if s.kind is Kind.SEND))
             if c.kind is Kind.BWD:
-                ar = [s for s in g.successors(c) if s.kind is Kind.ALL_REDUCE]
-                if ar and all(p in seq for p in g.predecessors(ar[0])):
-                    seq.append(ar[0])
-        seq += sorted(n for n in mine if n.kind is Kind.UPDATE)
+                add(sorted(s for s in g.successors(c) if s.kind.is_collective
+                           and all(p in placed for p in g.predecessors(s))))
+        for u in sorted(n for n in mine if n.kind is Kind.UPDATE):
+            add([u])
+            add(sorted(s for s in g.successors(u) if s.kind is Kind.ALL_GATHER))
         missing = set(mine) - set(seq)
         if missing:
             raise PiperError(f"scheduler left tasks unplaced on rank {rank}: {sorted(missing)}")
@@ -82,6 +91,7 @@ def schedule(dag: TrainingDAG, *, check: bool = True) -> Plan:
         pp=dag.pp,
         dp=dag.dp,
         microbatches=dag.microbatches,
+        zero=dag.zero,
         ranks=tuple(ranks),
         groups=tuple(sorted(set(group_of.values()))) if dag.dp > 1 else (),
     )

@@ -1,4 +1,4 @@
-"""Replicate: data parallelism over copies of the whole pipeline."""
+"""Replicate: data parallelism over copies of the whole pipeline, with ZeRO 0-3."""
 
 from __future__ import annotations
 
@@ -15,14 +15,20 @@ from piper.errors import DirectiveError
 class Replicate(Directive):
     """Run `degree` data-parallel replicas; each takes 1/degree of every step's batch.
 
-    Requires: not replicated yet, no Order yet, degree >= 1. `zero` picks the ZeRO stage;
-    this build implements ZeRO-0 (plain gradient all-reduce).
-    Rewrites: every node is copied per replica r (replica field r); on each replica the edges
-    B(s, *) -> U(s) are cut by one ALL_REDUCE node AR(s) whose group is the stage's replicas.
+    Requires: not replicated yet, no Order yet, degree >= 1, zero in 0..3.
+    Rewrites: every node is copied per replica r. Then, per stage s and replica, the edges
+    B(s, m) -> U(s) are cut by the collectives of the ZeRO stage, whose group is the stage's
+    replicas:
 
-        before: B0.0 -> U0,  B0.1 -> U0
-        Replicate(2)
-        after:  B0.0@r -> AR0@r -> U0@r,  B0.1@r -> AR0@r      for r in 0, 1
+        zero=0  B(s,m) -> AR(s) -> U(s)                    all-reduce the gradients
+        zero=1  B(s,m) -> RS(s) -> U(s) -> AG(s)           optimizer state sharded: reduce-
+                                                           scatter once, update the shard,
+                                                           all-gather the parameters
+        zero=2  B(s,m) -> RS(s,m) -> U(s) -> AG(s)         + gradients sharded per microbatch
+        zero=3  AG_F(s,m) -> F(s,m),  AG_B(s,m) -> B(s,m)  + parameters sharded: gathered
+                B(s,m) -> RS(s,m) -> U(s)                    before every chunk, freed after
+
+    ZeRO-2 and -3 act per microbatch, so they compose with any pipeline schedule.
     """
 
     degree: int
@@ -33,9 +39,8 @@ class Replicate(Directive):
     def apply(self, dag: TrainingDAG, index: int) -> TrainingDAG:
         if not isinstance(self.degree, int) or self.degree < 1:
             raise DirectiveError(index, self, "degree must be an int >= 1")
-        if self.zero != 0:
-            raise DirectiveError(index, self, f"ZeRO-{self.zero} is not implemented yet; "
-                                 "use zero=0")
+        if self.zero not in (0, 1, 2, 3):
+            raise DirectiveError(index, self, f"zero must be 0, 1, 2 or 3, got {self.zero!r}")
         if dag.dp != 1 or dag.ordered:
             raise DirectiveError(index, self, "Replicate must come once, before Order")
         g = nx.DiGraph()
@@ -43,9 +48,20 @@ class Replicate(Directive):
             for u, v, attrs in dag.graph.edges(data=True):
                 uu, vv = replace(u, replica=r), replace(v, replica=r)
                 if uu.kind is Kind.BWD and vv.kind is Kind.UPDATE:
-                    ar = Node(Kind.ALL_REDUCE, u.stage, replica=r)
-                    g.add_edge(uu, ar, kind="data")
-                    g.add_edge(ar, vv, kind="data")
+                    nx.add_path(g, [uu, *self._between(uu), vv], kind="data")
                 else:
                     g.add_edge(uu, vv, **attrs)
+            for n in [n for n in g.nodes if n.replica == r]:
+                if self.zero == 3 and n.kind in (Kind.FWD, Kind.BWD):
+                    ag = Node(Kind.ALL_GATHER, n.stage, n.mb, r, grad=n.kind is Kind.BWD)
+                    g.add_edge(ag, n, kind="data")
+                if self.zero in (1, 2) and n.kind is Kind.UPDATE:
+                    g.add_edge(n, Node(Kind.ALL_GATHER, n.stage, replica=r), kind="data")
         return dag.with_graph(g, dp=self.degree, zero=self.zero)
+
+    def _between(self, b: Node) -> list[Node]:
+        if self.zero == 0:
+            return [Node(Kind.ALL_REDUCE, b.stage, replica=b.replica)]
+        if self.zero == 1:
+            return [Node(Kind.REDUCE_SCATTER, b.stage, replica=b.replica)]
+        return [Node(Kind.REDUCE_SCATTER, b.stage, b.mb, b.replica)]

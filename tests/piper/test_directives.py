@@ -233,11 +233,40 @@ def test_replica_ranks_of_one_device_are_adjacent(dag0: TrainingDAG) -> None:
 
 
 @pytest.mark.parametrize("directive, msg", [(Replicate(0), "degree must be an int >= 1"),
-                                            (Replicate(2, zero=1), "ZeRO-1 is not implemented")])
-def test_replicate_rejects_bad_degree_and_unimplemented_zero(
+                                            (Replicate(2, zero=4), "zero must be 0, 1, 2 or 3")])
+def test_replicate_rejects_bad_degree_and_unknown_zero(
         dag0: TrainingDAG, directive: Replicate, msg: str) -> None:
     with pytest.raises(piper.DirectiveError, match=msg):
         directive.apply(dag0, 0)
+
+
+@pytest.mark.parametrize("zero", [0, 1, 2, 3])
+@pytest.mark.parametrize(("s", "m", "d"), [(2, 1, 2), (2, 3, 2), (3, 4, 4)])
+def test_replicate_zero_inserts_its_collectives(dag0: TrainingDAG, zero: int, s: int, m: int,
+                                                d: int) -> None:
+    """Counts per the Replicate docstring: AR per stage (ZeRO-0); RS + AG per stage
+    (ZeRO-1); RS per microbatch + AG per stage (ZeRO-2); AG before every chunk and RS per
+    microbatch (ZeRO-3) — all times replicas."""
+    dag = schedules.gpipe(STAGES[s], microbatches=m, dp=d, zero=zero).apply(dag0)
+    count = {k: len(dag.nodes(k)) for k in (Kind.ALL_REDUCE, Kind.ALL_GATHER,
+                                            Kind.REDUCE_SCATTER)}
+    expected = {
+        0: (s * d, 0, 0),
+        1: (0, s * d, s * d),
+        2: (0, s * d, s * m * d),
+        3: (0, 2 * s * m * d, s * m * d),
+    }[zero]
+    assert (count[Kind.ALL_REDUCE], count[Kind.ALL_GATHER], count[Kind.REDUCE_SCATTER]) \
+        == expected
+    assert dag.zero == zero
+    for u in dag.nodes(Kind.UPDATE):  # every backward's gradient reaches its update
+        bwds = {n for n in nx.ancestors(dag.graph, u) if n.kind is Kind.BWD
+                and n.stage == u.stage}
+        assert len(bwds) == m and all(b.replica == u.replica for b in bwds)
+    if zero == 3:
+        for n in dag.nodes(Kind.FWD) + dag.nodes(Kind.BWD):
+            ag = [p for p in dag.graph.predecessors(n) if p.kind is Kind.ALL_GATHER]
+            assert len(ag) == 1 and ag[0].grad == (n.kind is Kind.BWD)
 
 
 def test_replicate_after_order_raises(dag0: TrainingDAG) -> None:

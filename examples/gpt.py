@@ -5,6 +5,7 @@
         --schedule 1f1b --microbatches 4 --steps 3 --seed 0 --check
 
 `--model-arg size=tiny|small|1b` picks a config; the default is about 1.1B parameters.
+`--model-arg tie=true` ties the output projection to the token embedding.
 """
 
 from __future__ import annotations
@@ -61,13 +62,15 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    def __init__(self, c: GPTConfig) -> None:
+    def __init__(self, c: GPTConfig, tie: bool = False) -> None:
         super().__init__()
         self.tok = nn.Embedding(c.vocab, c.dim)
         self.pos = nn.Embedding(c.seq, c.dim)
         self.blocks = nn.ModuleList(Block(c) for _ in range(c.layers))
         self.ln_f = nn.LayerNorm(c.dim)
         self.lm_head = nn.Linear(c.dim, c.vocab, bias=False)
+        if tie:  # the embedding and the output projection share one matrix
+            self.lm_head.weight = self.tok.weight
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         with piper.annotate("embed"):
@@ -80,12 +83,12 @@ class GPT(nn.Module):
             return self.lm_head(self.ln_f(x))
 
 
-def build_model(size: str = "1b") -> GPT:
+def build_model(size: str = "1b", tie: bool = False) -> GPT:
     global _size
     if size not in CONFIGS:
         raise ValueError(f"size must be one of {sorted(CONFIGS)}, got {size!r}")
     _size = size
-    return GPT(CONFIGS[size])
+    return GPT(CONFIGS[size], tie=tie)
 
 
 def example_batch(batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:

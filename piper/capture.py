@@ -73,6 +73,7 @@ class ModelGraph:
     output_region: int
     batch: int
     tied: tuple[tuple[str, tuple[int, ...]], ...] = ()  # params used by several regions
+    tied_numel: tuple[int, ...] = ()  # element count of each tied parameter
 
     def region(self, name: str) -> Region:
         for r in self.regions:
@@ -215,6 +216,7 @@ def _regions(ep: ExportedProgram, path: str, batch: int) -> Captured:
         output_region=out_regions.pop(),
         batch=batch,
         tied=tuple(tied),
+        tied_numel=tuple(_numel(shapes[p]) for p, _ in tied),
     )
     for f in mg.flows:
         if f.src > f.dst:

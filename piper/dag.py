@@ -87,6 +87,8 @@ class Node:
         k = self.kind.value
         if self.kind.is_p2p:
             return f"{k}_{'B' if self.grad else 'F'}{self.src}>{self.dst}.{self.mb}"
+        if self.kind is Kind.ALL_REDUCE and self.src >= 0:
+            return f"ART{self.src}"  # all-reduce of tied parameters, tie group `src`
         if self.kind in (Kind.UPDATE, Kind.ALL_REDUCE) or self.mb < 0:
             return f"{k}{self.stage}"
         if self.kind is Kind.ALL_GATHER:
@@ -164,6 +166,21 @@ class TrainingDAG:
                 names += [v for v in f.values if v not in names]
         return tuple(self.model.value(v) for v in names)
 
+    def tie_groups(self) -> list[tuple[tuple[str, ...], tuple[int, ...]]]:
+        """Tied parameters grouped by the stages that use them: [(params, stages)].
+
+        A parameter used by several stages lives on each; their gradients are summed by an
+        all-reduce among the devices (and replicas) that hold it, after which every copy
+        takes the same optimizer step.
+        """
+        groups: dict[tuple[int, ...], list[str]] = {}
+        for param, regions in self.model.tied:
+            stages = tuple(sorted({self.stage_of_region(self.model.regions[r].name)
+                                   for r in regions}))
+            if len(stages) > 1:
+                groups.setdefault(stages, []).append(param)
+        return [(tuple(ps), st) for st, ps in sorted(groups.items())]
+
     def stage_of_region(self, region: str) -> int:
         for s in self.stages:
             if region in s.regions:
@@ -202,6 +219,13 @@ def stage_dag(model: ModelGraph, stages: tuple[Stage, ...],
             gs = Node(Kind.SEND, b, 0, src=b, dst=a, grad=True)
             gr = Node(Kind.RECV, a, 0, src=b, dst=a, grad=True)
             nx.add_path(g, [bb, gs, gr, ba], kind="data")
+    for t, (_, tied_stages) in enumerate(dag.tie_groups()):
+        for device in sorted({stages[s].device for s in tied_stages}):
+            mine = [s for s in tied_stages if stages[s].device == device]
+            art = Node(Kind.ALL_REDUCE, mine[0], src=t)  # the first stage's update applies it
+            for s in mine:
+                g.add_edge(Node(Kind.BWD, s, 0), art, kind="data")
+            g.add_edge(art, Node(Kind.UPDATE, mine[0]), kind="data")
     return dag
 
 
@@ -230,10 +254,6 @@ def verify(dag: TrainingDAG) -> None:
     devices = sorted({s.device for s in dag.stages})
     if devices != list(range(len(devices))):
         problems.append(f"devices must be 0..{len(devices) - 1}, got {devices}")
-    for param, regions in dag.model.tied:
-        owners = {dag.stage_of_region(dag.model.regions[r].name) for r in regions}
-        if len(owners) > 1:
-            problems.append(f"parameter {param} is shared by stages {sorted(owners)}")
     sinks = [n for n in g.nodes if n.kind is Kind.UPDATE]
     feeds_update = set(sinks)
     for u, v in nx.bfs_edges(g, sinks[0], reverse=True) if sinks else ():

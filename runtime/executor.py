@@ -55,7 +55,7 @@ class RankExecutor:
             raise RuntimeError(f"rank {rank}: captured model differs from the plan's model")
         torch.manual_seed(seed)
         model = spec.build().to(device)
-        params = dict(model.named_parameters())
+        params = dict(model.named_parameters(remove_duplicate=False))  # tied: every name
         buffers = dict(model.named_buffers())
         self.stages: dict[int, StageModule] = {}
         self.params: dict[int, list[torch.nn.Parameter]] = {}
@@ -64,14 +64,26 @@ class RankExecutor:
         self.optim: dict[int, torch.optim.Optimizer] = {}
         self.sharded: dict[int, ShardedStage] = {}
         names = plan.model.names
+        tied = {p for ps, stages in plan.ties for p in ps if set(stages) & set(self.rp.stages)}
+        self.tied_in: dict[int, list[torch.nn.Parameter]] = {}
+        self.tied_named = {p: params[p] for p in tied}
+        for ps, stages in plan.ties:
+            mine = [s for s in stages if s in self.rp.stages]
+            if mine:  # the first of our stages in the group owns their optimizer step
+                key = ("tied", mine[0])
+                self.params.setdefault(key, []).extend(params[p] for p in ps)  # type: ignore
         for s in self.rp.stages:
             regions = {names.index(r) for r in plan.stage_regions[s]}
             sm = build_stage(captured, regions, device)
             self.stages[s] = sm
             fixed: list[torch.Tensor | None] = []
             ps: list[torch.nn.Parameter] = []
+            self.tied_in[s] = []
             for kind, key in sm.inputs:
-                if kind == "param":
+                if kind == "param" and key in tied:
+                    self.tied_in[s].append(params[key])  # type: ignore[index]
+                    fixed.append(params[key])  # type: ignore[index]
+                elif kind == "param":
                     ps.append(params[key])  # type: ignore[index]
                     fixed.append(params[key])  # type: ignore[index]
                 elif kind == "buffer":
@@ -80,7 +92,8 @@ class RankExecutor:
                     fixed.append(None)
             self.params[s] = list(dict.fromkeys(ps))  # a param used twice is updated once
             index = {id(p): i for i, p in enumerate(self.params[s])}
-            self.slot[s] = [index[id(params[key])] if kind == "param" else -1  # type: ignore
+            self.slot[s] = [index[id(params[key])]  # type: ignore[index]
+                            if kind == "param" and key not in tied else -1
                             for kind, key in sm.inputs]
             self.inputs[s] = fixed
             if not self.params[s]:
@@ -94,6 +107,9 @@ class RankExecutor:
                 self.optim[s] = spec.make_optimizer([self.sharded[s].shard])
             else:
                 self.optim[s] = spec.make_optimizer(self.params[s])
+        for key, ps in self.params.items():
+            if isinstance(key, tuple):
+                self.optim[key] = spec.make_optimizer(ps)  # type: ignore[index]
         del model  # parameters not on this rank are released here
         torch.manual_seed(seed)
         inputs, targets = spec.batch(batch_size)
@@ -135,7 +151,13 @@ class RankExecutor:
                     buf = torch.empty(info.shape, dtype=getattr(torch, info.dtype),
                                       device=self.device)
                     dist.irecv(buf, src=task.peer, tag=task.tag + k).wait()
-                    (grads if task.grad else acts)[(v, task.mb)] = buf
+                    key = (v, task.mb)
+                    if task.grad and key in grads:  # a value several stages consume
+                        grads[key] = grads[key] + buf
+                    else:
+                        (grads if task.grad else acts)[key] = buf
+            elif task.kind is Kind.ALL_REDUCE and task.values:
+                self._all_reduce_tied(task)
             elif task.kind.is_collective and task.stage not in self.optim:
                 pass  # a parameter-free stage: every replica skips alike
             elif task.kind is Kind.ALL_REDUCE:
@@ -144,14 +166,14 @@ class RankExecutor:
                 self.sharded[task.stage].materialize()
             elif task.kind is Kind.REDUCE_SCATTER:
                 self.sharded[task.stage].reduce_scatter(task.mb)
+            elif task.kind is Kind.UPDATE and ("tied", task.stage) in self.optim:
+                self._step(("tied", task.stage))
+                if task.stage in self.optim:
+                    self._update(task.stage)
             elif task.kind is Kind.UPDATE and task.stage not in self.optim:
                 pass
             elif task.kind is Kind.UPDATE:
-                if task.stage in self.sharded:
-                    self.sharded[task.stage].step(self.optim[task.stage])
-                else:
-                    self.optim[task.stage].step()
-                    self.optim[task.stage].zero_grad(set_to_none=True)
+                self._update(task.stage)
             spans.append((task, ts - t0, time.perf_counter() - t0))
             self.ledger.observe(self.params, self.optim, self.sharded, saved)
         for work, _ in pending:
@@ -162,6 +184,16 @@ class RankExecutor:
         has_loss = self.plan.output_stage in self.rp.stages
         return StepOutcome(loss_sum if has_loss else None, elapsed, self.ledger.peak(),
                            self.ledger.model_state_peak(), spans)
+
+    def _update(self, stage: int) -> None:
+        if stage in self.sharded:
+            self.sharded[stage].step(self.optim[stage])
+        else:
+            self._step(stage)
+
+    def _step(self, key: Any) -> None:
+        self.optim[key].step()
+        self.optim[key].zero_grad(set_to_none=True)
 
     def _forward(self, task: Task, acts: dict[tuple[str, int], torch.Tensor]) -> _Saved:
         sm = self.stages[task.stage]
@@ -212,8 +244,13 @@ class RankExecutor:
                 seeds.append(g)
         shard = self.sharded.get(task.stage)
         params = [shard.flat] if shard is not None else self.params[task.stage]
+        tied = self.tied_in[task.stage]
         leaves = [x for _, x in saved.acts]
-        got = torch.autograd.grad(roots, leaves + params, seeds, allow_unused=True)
+        got = torch.autograd.grad(roots, leaves + tied + params, seeds, allow_unused=True)
+        for p, g in zip(tied, got[len(leaves):len(leaves) + len(tied)]):
+            if g is not None:  # tied parameters may be used by other stages too: accumulate
+                p.grad = g if p.grad is None else p.grad + g
+        got = got[:len(leaves)] + got[len(leaves) + len(tied):]
         for (name, x), g in zip(saved.acts, got[:len(leaves)]):
             g = torch.zeros_like(x) if g is None else g
             key = (name, task.mb)
@@ -229,11 +266,17 @@ class RankExecutor:
             if g is not None:
                 p.grad = g if p.grad is None else p.grad + g
 
+    def _all_reduce_tied(self, task: Task) -> None:
+        """Sum the gradients of tied parameters over every copy (stages x replicas)."""
+        self._reduce([self.tied_named[n] for n in task.values], task.group)
+
     def _all_reduce(self, task: Task) -> None:
-        params = self.params[task.stage]
+        self._reduce(self.params[task.stage], task.group)
+
+    def _reduce(self, params: list[torch.nn.Parameter], group: tuple[int, ...]) -> None:
         gs = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
         flat = _flatten_dense_tensors(gs)
-        dist.all_reduce(flat, group=self.groups[task.group])
+        dist.all_reduce(flat, group=self.groups[group])
         for p, g in zip(params, _unflatten_dense_tensors(flat, gs)):
             p.grad = g
 

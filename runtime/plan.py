@@ -67,6 +67,7 @@ class Plan:
     ranks: tuple[RankPlan, ...]
     groups: tuple[tuple[int, ...], ...]  # collective groups, in the order to create them
     zero: int = 0  # ZeRO stage of the data-parallel replicas
+    ties: tuple[tuple[tuple[str, ...], tuple[int, ...]], ...] = ()  # (params, stages) tied
 
     @property
     def world_size(self) -> int:

@@ -6,7 +6,8 @@ Passes, in order:
    path is respected.
 2. `place_comms`    — SEND right after its producer, RECV and ZeRO-3's ALL_GATHER right
    before their consumer, ALL_REDUCE / REDUCE_SCATTER right after the last backward they
-   need, UPDATE at the end followed by its parameter ALL_GATHER.
+   need; then the tied-parameter all-reduces (they span pipeline devices, so waiting
+   earlier could stall a peer), then UPDATE, each followed by its parameter ALL_GATHER.
 3. `dry_run`        — execute the Plan with blocking semantics; raises on deadlock.
 """
 
@@ -40,6 +41,11 @@ def schedule(dag: TrainingDAG, *, check: bool = True) -> Plan:
     g = dag.graph
     tags = _tags(dag)
     group_of = {s.index: tuple(s.device * dag.dp + r for r in range(dag.dp)) for s in dag.stages}
+    ties = dag.tie_groups()
+    tie_group = [tuple(sorted(dag.stages[s].device * dag.dp + r for s in set(stages)
+                              for r in range(dag.dp)))
+                 for _, stages in ties]
+    tie_group = [tuple(sorted(set(g))) for g in tie_group]
 
     def task(n: Node) -> Task:
         if n.kind.is_p2p:
@@ -49,6 +55,9 @@ def schedule(dag: TrainingDAG, *, check: bool = True) -> Plan:
             return Task(n.kind, n.stage, n.mb, peer=dag.rank_of(peer_node), values=values,
                         grad=n.grad, tag=tags[(n.src, n.dst, n.grad, n.mb, n.replica)],
                         name=n.name)
+        if n.kind is Kind.ALL_REDUCE and n.src >= 0:
+            return Task(n.kind, n.stage, values=ties[n.src][0], group=tie_group[n.src],
+                        tag=n.src, name=n.name)
         if n.kind.is_collective:
             return Task(n.kind, n.stage, n.mb, grad=n.grad, group=group_of[n.stage],
                         name=n.name)
@@ -70,8 +79,10 @@ def schedule(dag: TrainingDAG, *, check: bool = True) -> Plan:
             add([c])
             add(sorted(s for s in g.successors(c) if s.kind is Kind.SEND))
             if c.kind is Kind.BWD:
-                add(sorted(s for s in g.successors(c) if s.kind.is_collective
+                add(sorted(s for s in g.successors(c) if s.kind.is_collective and s.src < 0
                            and all(p in placed for p in g.predecessors(s))))
+        # tied-parameter all-reduces span pipeline devices: only once all chunks are done
+        add(sorted(n for n in mine if n.kind is Kind.ALL_REDUCE and n.src >= 0))
         for u in sorted(n for n in mine if n.kind is Kind.UPDATE):
             add([u])
             add(sorted(s for s in g.successors(u) if s.kind is Kind.ALL_GATHER))
@@ -93,7 +104,8 @@ def schedule(dag: TrainingDAG, *, check: bool = True) -> Plan:
         microbatches=dag.microbatches,
         zero=dag.zero,
         ranks=tuple(ranks),
-        groups=tuple(sorted(set(group_of.values()))) if dag.dp > 1 else (),
+        groups=tuple(sorted({t.group for rp in ranks for t in rp.tasks if t.group})),
+        ties=tuple(ties),
     )
     if check:
         dry_run(plan)

@@ -6,7 +6,7 @@ from dataclasses import dataclass, replace
 
 import networkx as nx
 
-from piper.dag import Kind, TrainingDAG
+from piper.dag import TrainingDAG
 from piper.directives.base import Directive
 from piper.errors import DirectiveError
 
@@ -34,12 +34,12 @@ class Split(Directive):
         if dag.microbatches != 1 or dag.dp != 1 or dag.ordered:
             raise DirectiveError(index, self, "Split must come once, before Replicate and Order")
         g = nx.DiGraph()
-        per_mb = [n for n in dag.graph.nodes if n.kind is not Kind.UPDATE]
+        per_mb = [n for n in dag.graph.nodes if n.mb >= 0]
         for m in range(self.microbatches):
             g.add_nodes_from(replace(n, mb=m) for n in per_mb)
         for u, v, attrs in dag.graph.edges(data=True):
             for m in range(self.microbatches):
-                uu = u if u.kind is Kind.UPDATE else replace(u, mb=m)
-                vv = v if v.kind is Kind.UPDATE else replace(v, mb=m)
+                uu = u if u.mb < 0 else replace(u, mb=m)
+                vv = v if v.mb < 0 else replace(v, mb=m)
                 g.add_edge(uu, vv, **attrs)
         return dag.with_graph(g, microbatches=self.microbatches)

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from piper.model_file import load_model_file
+from piper.model_file import load_model_file, parse_model_args
 from planner.cli import main
 from runtime.reference import max_rel_diff, reference_losses
 from tests.conftest import GPT, ROOT, TINY
@@ -30,9 +30,23 @@ CASES = {
     "pp2_dp2_zero3_interleaved": ["--gpus", "4", "--pp", "2", "--dp", "2", "--zero", "3",
                                   "--schedule", "interleaved-1f1b", "--virtual-stages", "2",
                                   "--microbatches", "2"],
+    "tied_pp2_1f1b": ["--gpus", "2", "--pp", "2", "--microbatches", "4"],
+    "tied_pp2_dp2_zero3": ["--gpus", "4", "--pp", "2", "--dp", "2", "--zero", "3",
+                           "--microbatches", "2"],
+    "tied_pp2_interleaved": ["--gpus", "2", "--pp", "2", "--schedule", "interleaved-1f1b",
+                             "--virtual-stages", "2", "--microbatches", "2"],
+    "skip_pp4": ["--gpus", "4", "--pp", "4", "--microbatches", "4"],
     "pp2_interleaved_v3_dp2": ["--gpus", "4", "--pp", "2", "--dp", "2", "--schedule",
                                "interleaved-1f1b", "--virtual-stages", "3",
                                "--microbatches", "2"],
+}
+
+# cases on another model: [model file, --model-arg, KEY=VALUE, ...]
+OTHER_MODEL = {
+    "tied_pp2_1f1b": [GPT, *TINY, "--model-arg", "tie=true"],
+    "tied_pp2_dp2_zero3": [GPT, *TINY, "--model-arg", "tie=true"],
+    "tied_pp2_interleaved": [GPT, *TINY, "--model-arg", "tie=true"],
+    "skip_pp4": [str(ROOT / "tests" / "models" / "skip_mlp.py")],
 }
 
 
@@ -47,11 +61,13 @@ def run_json(capsys, argv: list[str]) -> tuple[int, dict]:
 def test_strategy_reproduces_single_device_losses(ray_session, capsys, case):
     argv = ["run", GPT, *TINY, *CASES[case], "--device", "cpu", "--steps", "3", "--seed", "0",
             "--check", "--json"]
+    argv = argv[:1] + OTHER_MODEL.get(case, argv[1:4]) + argv[4:]
     rc, out = run_json(capsys, argv)
     assert rc == 0
     assert out["check"]["passed"] and out["check"]["max_rel_diff"] <= 1e-4
-    ref = reference_losses(load_model_file(GPT, (("size", "tiny"),)), batch_size=32, steps=3,
-                           seed=0)
+    model = OTHER_MODEL.get(case, [GPT, *TINY])
+    spec = load_model_file(model[0], parse_model_args(model[2::2]))
+    ref = reference_losses(spec, batch_size=spec.batch_size, steps=3, seed=0)
     assert max_rel_diff([s["loss"] for s in out["steps"]], ref) <= 1e-4
     assert ref[2] < ref[0], "training makes progress, so equal losses are not trivial"
     world = int(CASES[case][1])

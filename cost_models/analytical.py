@@ -191,6 +191,8 @@ class TaskCosts:
             return self.forward_s[task.stage]
         if k is Kind.BWD:
             return self.backward_s[task.stage]
+        if k in (Kind.BWD_I, Kind.BWD_W):  # each about one forward's matmuls
+            return self.backward_s[task.stage] / 2
         if k is Kind.UPDATE:
             return self.update_s[task.stage]
         if k is Kind.SEND:

@@ -75,7 +75,7 @@ def peak_memory(plan: Plan, costs: ModelCosts, microbatch_size: int,
             if s.task.kind is Kind.FWD:
                 live += act[st]
                 peak = max(peak, live + gathered[st])
-            elif s.task.kind is Kind.BWD:
+            elif s.task.kind.ends_backward:
                 peak = max(peak, live + gathered[st] + grad_buf[st])
                 live -= act[st]
         peaks.append(peak)

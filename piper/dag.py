@@ -19,6 +19,8 @@ from piper.errors import PiperError
 class Kind(enum.Enum):
     FWD = "F"
     BWD = "B"
+    BWD_I = "I"  # backward for input gradients only (after SplitBackward)
+    BWD_W = "W"  # backward for weight gradients only (after SplitBackward)
     UPDATE = "U"
     SEND = "SEND"
     RECV = "RECV"
@@ -36,7 +38,17 @@ class Kind(enum.Enum):
 
     @property
     def is_compute(self) -> bool:
-        return self in (Kind.FWD, Kind.BWD, Kind.UPDATE)
+        return self in (Kind.FWD, Kind.BWD, Kind.BWD_I, Kind.BWD_W, Kind.UPDATE)
+
+    @property
+    def is_chunk(self) -> bool:
+        """Runs a stage's forward or (part of its) backward for one microbatch."""
+        return self in (Kind.FWD, Kind.BWD, Kind.BWD_I, Kind.BWD_W)
+
+    @property
+    def ends_backward(self) -> bool:
+        """The task after which a microbatch's weight gradients exist."""
+        return self in (Kind.BWD, Kind.BWD_W)
 
     @property
     def is_p2p(self) -> bool:
@@ -101,10 +113,11 @@ class Node:
 
 def parse_task(name: str) -> tuple[Kind, int, int]:
     """`F0.3` -> (FWD, 0, 3); `U1` -> (UPDATE, 1, -1). Raises ValueError on anything else."""
-    kinds = {"F": Kind.FWD, "B": Kind.BWD, "U": Kind.UPDATE}
+    kinds = {"F": Kind.FWD, "B": Kind.BWD, "I": Kind.BWD_I, "W": Kind.BWD_W, "U": Kind.UPDATE}
     kind = kinds.get(name[:1])
     if kind is None:
-        raise ValueError(f"bad task name {name!r}: expected F<stage>.<mb>, B<stage>.<mb>, U<stage>")
+        raise ValueError(f"bad task name {name!r}: expected F<stage>.<mb>, B<stage>.<mb>, "
+                         "I<stage>.<mb>, W<stage>.<mb>, U<stage>")
     body = name[1:]
     try:
         if kind is Kind.UPDATE:
@@ -113,7 +126,7 @@ def parse_task(name: str) -> tuple[Kind, int, int]:
         return kind, int(s), int(m)
     except ValueError:
         raise ValueError(f"bad task name {name!r}: expected F<stage>.<mb>, B<stage>.<mb>, "
-                         "U<stage>") from None
+                         "I<stage>.<mb>, W<stage>.<mb>, U<stage>") from None
 
 
 @dataclass(frozen=True, slots=True)
@@ -261,9 +274,10 @@ def verify(dag: TrainingDAG) -> None:
     for s in sinks[1:]:
         feeds_update.update(v for _, v in nx.bfs_edges(g, s, reverse=True))
     for n in g.nodes:
-        if n.kind is Kind.FWD and Node(Kind.BWD, n.stage, n.mb, n.replica) not in g:
+        if n.kind is Kind.FWD and not any(Node(k, n.stage, n.mb, n.replica) in g
+                                          for k in (Kind.BWD, Kind.BWD_I)):
             problems.append(f"{n!r} has no backward")
-        if n.kind is Kind.BWD and n not in feeds_update:
+        if n.kind.ends_backward and n not in feeds_update:
             problems.append(f"{n!r} reaches no update")
         if n.kind is Kind.SEND:
             recvs = [s for s in g.successors(n) if s.kind is Kind.RECV]

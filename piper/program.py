@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from piper.dag import TrainingDAG, verify
-from piper.directives import Directive, Order, Place, Replicate, Split, from_dict
+from piper.directives import Directive, Order, Place, Replicate, Split, SplitBackward, from_dict
 from piper.errors import DirectiveError, PiperError
 
 JSON_VERSION = 1
@@ -38,7 +38,7 @@ class Program:
         for i, d in enumerate(self.directives):
             if d.phase < phase:
                 raise DirectiveError(i, d, "directives go in the order Place, Split, "
-                                     "Replicate, Order")
+                                     "SplitBackward, Replicate, Order")
             phase = d.phase
             dag = d.apply(dag, i)
         placed = {r for r, _, _ in dag.placement}
@@ -127,4 +127,4 @@ class Program:
         return prog
 
 
-__all__ = ["Order", "Place", "Program", "Replicate", "Split"]
+__all__ = ["Order", "Place", "Program", "Replicate", "Split", "SplitBackward"]

@@ -10,16 +10,19 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from piper.directives import Directive, Order, Place, Replicate, Split
+from piper.directives import Directive, Order, Place, Replicate, Split, SplitBackward
 from piper.program import Program
 
 
 def _base(stages: Sequence[Sequence[str]], microbatches: int, dp: int,
-          pp: int | None = None, zero: int = 0) -> list[Directive]:
+          pp: int | None = None, zero: int = 0, split_backward: bool = False
+          ) -> list[Directive]:
     pp = pp or len(stages)
     ds: list[Directive] = [Place(tuple(r), stage=s, device=s % pp)
                            for s, r in enumerate(stages)]
     ds.append(Split(microbatches))
+    if split_backward:
+        ds.append(SplitBackward())
     if dp > 1 or zero:
         ds.append(Replicate(dp, zero=zero))
     return ds
@@ -110,8 +113,36 @@ def interleaved_1f1b(stages: Sequence[Sequence[str]], *, microbatches: int, dp: 
     return Program(ds, name="interleaved-1f1b")
 
 
+def zb1p_order(stage: int, pp: int, microbatches: int) -> list[str]:
+    """ZB-H1 on one device: 1F1B with each backward split into I then W, and W of
+    microbatch i run right after I of microbatch i + lag (lag = pp - stage - 1), so during the
+    cool-down, when 1F1B would wait for gradients, this device computes weight gradients."""
+    lag = pp - stage - 1
+    order: list[str] = []
+    for task in one_f_one_b_order(stage, pp, microbatches):
+        if task[0] == "B":
+            mb = int(task.split(".")[1])
+            order.append(f"I{stage}.{mb}")
+            if mb - lag >= 0:
+                order.append(f"W{stage}.{mb - lag}")
+        else:
+            order.append(task)
+    order += [f"W{stage}.{m}" for m in range(max(0, microbatches - lag), microbatches)]
+    return order
+
+
+def zb1p(stages: Sequence[Sequence[str]], *, microbatches: int, dp: int = 1,
+         zero: int = 0, pp: int | None = None) -> Program:
+    """Zero-bubble ZB-H1 (Qi et al. 2024): 1F1B's memory, about a third of its bubble."""
+    _one_stage_per_device("zb1p", stages, pp)
+    ds = _base(stages, microbatches, dp, zero=zero, split_backward=True)
+    for s in range(len(stages)):
+        ds.append(Order(s, " ".join(zb1p_order(s, len(stages), microbatches))))
+    return Program(ds, name="zb1p")
+
+
 SCHEDULES: dict[str, Callable[..., Program]] = {
-    "gpipe": gpipe, "1f1b": one_f_one_b, "interleaved-1f1b": interleaved_1f1b}
+    "gpipe": gpipe, "1f1b": one_f_one_b, "interleaved-1f1b": interleaved_1f1b, "zb1p": zb1p}
 
 
 def build(schedule: str, stages: Sequence[Sequence[str]], *, microbatches: int,

@@ -29,6 +29,8 @@ class _Saved:
     acts: list[tuple[str, torch.Tensor]]  # activation inputs (leaves) by value name
     outputs: dict[str, torch.Tensor]
     loss: torch.Tensor | None = None
+    roots: list[torch.Tensor] = field(default_factory=list)  # backward from these...
+    seeds: list[torch.Tensor] = field(default_factory=list)  # ...with these gradients
 
 
 @dataclass
@@ -125,7 +127,7 @@ class RankExecutor:
     def step(self) -> StepOutcome:
         acts: dict[tuple[str, int], torch.Tensor] = {}
         grads: dict[tuple[str, int], torch.Tensor] = {}
-        saved: dict[tuple[int, int], _Saved] = {}
+        saved: dict[tuple, _Saved] = {}
         pending: list[Any] = []
         loss_sum = 0.0
         spans: list[tuple[Task, float, float]] = []
@@ -138,8 +140,13 @@ class RankExecutor:
                 loss = saved[(task.stage, task.mb)].loss
                 if loss is not None:
                     loss_sum += float(loss.detach())
-            elif task.kind is Kind.BWD:
-                self._backward(task, saved.pop((task.stage, task.mb)), grads)
+            elif task.kind in (Kind.BWD, Kind.BWD_I):
+                sv = saved.pop((task.stage, task.mb))
+                self._backward(task, sv, grads)
+                if task.kind is Kind.BWD_I:  # W still needs the graph
+                    saved[(task.stage, task.mb, "W")] = sv
+            elif task.kind is Kind.BWD_W:
+                self._backward(task, saved.pop((task.stage, task.mb, "W")), grads)
             elif task.kind is Kind.SEND:
                 store = grads if task.grad else acts
                 for k, v in enumerate(task.values):
@@ -232,37 +239,50 @@ class RankExecutor:
 
     def _backward(self, task: Task, saved: _Saved,
                   grads: dict[tuple[str, int], torch.Tensor]) -> None:
-        roots: list[torch.Tensor] = []
-        seeds: list[torch.Tensor] = []
-        if saved.loss is not None:
-            roots.append(saved.loss)
-            seeds.append(torch.ones_like(saved.loss))
-        for name, t in saved.outputs.items():
-            g = grads.pop((name, task.mb), None)
-            if g is not None and t.requires_grad:
-                roots.append(t)
-                seeds.append(g)
+        """B, or with SplitBackward its halves: I (input gradients, keeping the autograd
+        graph) and W (weight gradients from the same roots, freeing it)."""
+        if task.kind is not Kind.BWD_W:
+            saved.roots, saved.seeds = [], []
+            if saved.loss is not None:
+                saved.roots.append(saved.loss)
+                saved.seeds.append(torch.ones_like(saved.loss))
+            for name, t in saved.outputs.items():
+                g = grads.pop((name, task.mb), None)
+                if g is not None and t.requires_grad:
+                    saved.roots.append(t)
+                    saved.seeds.append(g)
         shard = self.sharded.get(task.stage)
-        params = [shard.flat] if shard is not None else self.params[task.stage]
-        tied = self.tied_in[task.stage]
-        leaves = [x for _, x in saved.acts]
-        got = torch.autograd.grad(roots, leaves + tied + params, seeds, allow_unused=True)
-        for p, g in zip(tied, got[len(leaves):len(leaves) + len(tied)]):
-            if g is not None:  # tied parameters may be used by other stages too: accumulate
-                p.grad = g if p.grad is None else p.grad + g
-        got = got[:len(leaves)] + got[len(leaves) + len(tied):]
+        leaves = [x for _, x in saved.acts] if task.kind is not Kind.BWD_W else []
+        weights: list[torch.Tensor] = []
+        if task.kind is not Kind.BWD_I:
+            weights = self.tied_in[task.stage] + (
+                [shard.flat] if shard is not None else self.params[task.stage])
+        if not leaves + weights or not saved.roots:
+            return
+        got = torch.autograd.grad(saved.roots, leaves + weights, saved.seeds,
+                                  retain_graph=task.kind is Kind.BWD_I, allow_unused=True)
         for (name, x), g in zip(saved.acts, got[:len(leaves)]):
             g = torch.zeros_like(x) if g is None else g
             key = (name, task.mb)
             grads[key] = grads[key] + g if key in grads else g
+        if task.kind is not Kind.BWD_I:
+            self._weight_grads(task, got[len(leaves):])
+
+    def _weight_grads(self, task: Task, got: tuple[torch.Tensor | None, ...]) -> None:
+        tied = self.tied_in[task.stage]
+        for p, g in zip(tied, got[:len(tied)]):
+            if g is not None:  # tied parameters may be used by other stages too: accumulate
+                p.grad = g if p.grad is None else p.grad + g
+        got = got[len(tied):]
+        shard = self.sharded.get(task.stage)
         if shard is not None:
-            g = got[len(leaves)]
+            g = got[0]
             shard.add_grad(task.mb, torch.zeros_like(shard.shard).repeat(shard.size)
                            if g is None else g)
             if shard.zero == 3:
                 shard.free()
             return
-        for p, g in zip(params, got[len(leaves):]):
+        for p, g in zip(self.params[task.stage], got):
             if g is not None:
                 p.grad = g if p.grad is None else p.grad + g
 

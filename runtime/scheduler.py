@@ -22,8 +22,8 @@ from runtime.plan import COMPUTE_STREAM, Plan, RankPlan, Task
 
 
 def _priority(n: Node) -> tuple:
-    phase = {Kind.FWD: 0, Kind.BWD: 1}.get(n.kind, 2)
-    stage = -n.stage if n.kind is Kind.BWD else n.stage
+    phase = {Kind.FWD: 0, Kind.BWD: 1, Kind.BWD_I: 1, Kind.BWD_W: 1}.get(n.kind, 2)
+    stage = n.stage if phase != 1 else -n.stage
     return (phase, n.mb, stage, n.kind.value, n.src, n.dst, n.replica)
 
 
@@ -66,7 +66,7 @@ def schedule(dag: TrainingDAG, *, check: bool = True) -> Plan:
     ranks = []
     for rank in range(dag.world_size):
         mine = [n for n in order if dag.rank_of(n) == rank]
-        chunks = [n for n in mine if n.kind in (Kind.FWD, Kind.BWD)]
+        chunks = [n for n in mine if n.kind.is_chunk]
         seq: list[Node] = []
         placed: set[Node] = set()
 
@@ -78,7 +78,7 @@ def schedule(dag: TrainingDAG, *, check: bool = True) -> Plan:
             add(sorted(p for p in g.predecessors(c) if p.kind in (Kind.RECV, Kind.ALL_GATHER)))
             add([c])
             add(sorted(s for s in g.successors(c) if s.kind is Kind.SEND))
-            if c.kind is Kind.BWD:
+            if c.kind.ends_backward:
                 add(sorted(s for s in g.successors(c) if s.kind.is_collective and s.src < 0
                            and all(p in placed for p in g.predecessors(s))))
         # tied-parameter all-reduces span pipeline devices: only once all chunks are done

@@ -5,5 +5,6 @@ from piper.directives.order import Order
 from piper.directives.place import Place
 from piper.directives.replicate import Replicate
 from piper.directives.split import Split
+from piper.directives.split_backward import SplitBackward
 
-__all__ = ["Directive", "Order", "Place", "Replicate", "Split", "from_dict"]
+__all__ = ["Directive", "Order", "Place", "Replicate", "Split", "SplitBackward", "from_dict"]

@@ -16,7 +16,8 @@ from piper.errors import DirectiveError
 class Order(Directive):
     """Run `tasks` on pipeline `device` in the given order (on every replica of the device).
 
-    `tasks` is a string of task names separated by spaces: F<stage>.<mb>, B<stage>.<mb>.
+    `tasks` is a string of task names separated by spaces: F<stage>.<mb>, B<stage>.<mb>, and
+    after SplitBackward I<stage>.<mb> and W<stage>.<mb>.
     Requires: Split and Replicate done; each task runs on `device` and appears once.
     Rewrites: a temporal edge between each consecutive pair. An order that contradicts the
     data dependences (or another Order) would make a cycle; that is an error naming the cycle
@@ -28,7 +29,7 @@ class Order(Directive):
 
     device: int
     tasks: str
-    phase = 3
+    phase = 4
 
     def __post_init__(self) -> None:
         t = self.tasks

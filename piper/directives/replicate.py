@@ -34,7 +34,7 @@ class Replicate(Directive):
     degree: int
     _: KW_ONLY
     zero: int = 0
-    phase = 2
+    phase = 3
 
     def apply(self, dag: TrainingDAG, index: int) -> TrainingDAG:
         if not isinstance(self.degree, int) or self.degree < 1:
@@ -43,11 +43,13 @@ class Replicate(Directive):
             raise DirectiveError(index, self, f"zero must be 0, 1, 2 or 3, got {self.zero!r}")
         if dag.dp != 1 or dag.ordered:
             raise DirectiveError(index, self, "Replicate must come once, before Order")
+        if self.zero == 3 and any(n.kind is Kind.BWD_I for n in dag.graph.nodes):
+            raise DirectiveError(index, self, "ZeRO-3 with SplitBackward is not supported yet")
         g = nx.DiGraph()
         for r in range(self.degree):
             for u, v, attrs in dag.graph.edges(data=True):
                 uu, vv = replace(u, replica=r), replace(v, replica=r)
-                if uu.kind is Kind.BWD and vv.kind is Kind.UPDATE:
+                if uu.kind.ends_backward and vv.kind is Kind.UPDATE:
                     nx.add_path(g, [uu, *self._between(uu), vv], kind="data")
                 else:
                     g.add_edge(uu, vv, **attrs)

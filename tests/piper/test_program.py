@@ -171,7 +171,7 @@ def test_summary_counts_virtual_stages_per_device() -> None:
 
 def test_build_of_an_unknown_schedule_names_the_known_ones() -> None:
     with pytest.raises(KeyError, match="known: gpipe, 1f1b"):
-        schedules.build("zb1p", STAGES[2], microbatches=2)
+        schedules.build("chimera", STAGES[2], microbatches=2)
 
 
 @pytest.mark.parametrize("pp, m", [(2, 1), (2, 4), (4, 2), (4, 8)])

@@ -46,8 +46,9 @@ def test_schedule_contract(dag0, name, pp, n_stages, m, dp):
     assert (dag.pp, dag.dp, len(dag.stages)) == (pp, dp, n_stages)
     plan = schedule(dag)  # includes the deadlock dry run
     for rp in plan.ranks:
-        chunks = [t.name for t in rp.tasks if t.kind in (Kind.FWD, Kind.BWD)]
-        expected = {f"{k}{s}.{mb}" for s in rp.stages for mb in range(m) for k in "FB"}
+        chunks = [t.name for t in rp.tasks if t.kind.is_chunk]
+        kinds = "FIW" if name == "zb1p" else "FB"
+        expected = {f"{k}{s}.{mb}" for s in rp.stages for mb in range(m) for k in kinds}
         assert sorted(chunks) == sorted(expected), "every chunk task of the rank exactly once"
     summary = prog.summary()
     assert (summary["pp"], summary["dp"], summary["microbatches"]) == (pp, dp, m)
@@ -67,6 +68,46 @@ def test_interleaved_places_stages_round_robin(dag0):
 def test_interleaved_rejects_shapes_it_cannot_run(dag0, stages, m, pp, match):
     with pytest.raises(ValueError, match=match):
         schedules.interleaved_1f1b(cut(dag0.model.names, stages), microbatches=m, pp=pp)
+
+
+def test_zb1p_defers_weight_gradients_by_the_device_lag(dag0):
+    prog = schedules.zb1p(cut(dag0.model.names, 3), microbatches=5)
+    orders = [d.tasks.split() for d in prog.directives if isinstance(d, piper.Order)]
+    for device, order in enumerate(orders):
+        lag = 3 - device - 1
+        for mb in range(5 - lag):  # W(mb) comes right after I(mb + lag)
+            assert order[order.index(f"I{device}.{mb + lag}") + 1] == f"W{device}.{mb}"
+    assert orders[2][:3] == ["F2.0", "I2.0", "W2.0"]  # the last device never defers
+
+
+def test_split_backward_rewrites_each_backward_into_input_and_weight_halves(dag0):
+    stages = cut(dag0.model.names, 2)
+    plain = piper.Program(schedules.one_f_one_b(stages, microbatches=2, dp=2,
+                                                zero=2).directives[:4]).apply(dag0)
+    split = piper.Program([*schedules.one_f_one_b(stages, microbatches=2).directives[:3],
+                           piper.SplitBackward(), piper.Replicate(2, zero=2)]).apply(dag0)
+    g = split.graph
+    n_b = len(plain.nodes(Kind.BWD))
+    assert len(split.nodes(Kind.BWD)) == 0
+    assert len(split.nodes(Kind.BWD_I)) == len(split.nodes(Kind.BWD_W)) == n_b
+    assert g.number_of_edges() == plain.graph.number_of_edges() + n_b  # one I -> W each
+    for w in split.nodes(Kind.BWD_W):
+        assert {p.kind for p in g.predecessors(w)} == {Kind.BWD_I}
+        assert {s.kind for s in g.successors(w)} == {Kind.REDUCE_SCATTER}
+    for i in split.nodes(Kind.BWD_I):
+        assert all(s.kind in (Kind.BWD_W, Kind.SEND) for s in g.successors(i))
+
+
+def test_split_backward_only_on_chosen_stages_and_not_twice(dag0):
+    stages = cut(dag0.model.names, 2)
+    base = list(schedules.gpipe(stages, microbatches=2).directives[:3])
+    dag = piper.Program([*base, piper.SplitBackward((1,))]).apply(dag0)
+    assert {n.stage for n in dag.nodes(Kind.BWD_I)} == {1}
+    assert {n.stage for n in dag.nodes(Kind.BWD)} == {0}
+    with pytest.raises(piper.DirectiveError, match="already split"):
+        piper.Program([*base, piper.SplitBackward(), piper.SplitBackward()]).apply(dag0)
+    with pytest.raises(piper.DirectiveError, match="ZeRO-3 with SplitBackward"):
+        piper.Program([*base, piper.SplitBackward(), piper.Replicate(2, zero=3)]).apply(dag0)
 
 
 def test_one_stage_schedules_reject_extra_stages(dag0):

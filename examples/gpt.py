@@ -4,7 +4,7 @@
     piper-plan run examples/gpt.py --model-arg size=tiny --gpus 4 --device cpu --pp 2 --dp 2 \
         --schedule 1f1b --microbatches 4 --steps 3 --seed 0 --check
 
-`--model-arg size=tiny|small|1b` picks a config; the default is about 1.1B parameters.
+`--model-arg size=tiny|mini|small|1b` picks a config; the default is about 1.1B parameters.
 `--model-arg tie=true` ties the output projection to the token embedding.
 """
 
@@ -31,6 +31,7 @@ class GPTConfig:
 
 CONFIGS = {
     "tiny": GPTConfig(vocab=128, seq=16, dim=32, layers=4, heads=2),
+    "mini": GPTConfig(vocab=2048, seq=64, dim=256, layers=8, heads=4),
     "small": GPTConfig(vocab=8192, seq=256, dim=512, layers=8, heads=8),
     "1b": GPTConfig(vocab=50304, seq=1024, dim=2048, layers=18, heads=16),
 }

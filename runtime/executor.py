@@ -122,6 +122,13 @@ class RankExecutor:
         self.targets = _slice(targets, lo, lo + per_replica, device)
         self.loss_scale = 1.0 / (plan.dp * plan.microbatches)
         self.ledger = MemoryLedger(device)
+        # for each chunk task: the receives that feed the next two chunks (lookahead)
+        tasks = self.rp.tasks
+        chunks = [i for i, t in enumerate(tasks) if t.kind.is_chunk]
+        self.next_recvs: dict[int, list[Task]] = {}
+        for a, b in zip(chunks, chunks[1:] + [len(tasks)]):
+            nxt = next((c for c in chunks if c > b), len(tasks))
+            self.next_recvs[a] = [t for t in tasks[a + 1:nxt] if t.kind is Kind.RECV]
 
     # ---- one step -----------------------------------------------------------------------
     def step(self) -> StepOutcome:
@@ -132,9 +139,16 @@ class RankExecutor:
         loss_sum = 0.0
         spans: list[tuple[Task, float, float]] = []
         self.ledger.start_step()
+        posted: dict[int, list[tuple[Any, torch.Tensor]]] = {}  # RECV tag -> (work, buffer)
+        dist.barrier()  # every rank starts the step together, so step times are comparable
         t0 = time.perf_counter()
-        for task in self.rp.tasks:
+        for i, task in enumerate(self.rp.tasks):
             ts = time.perf_counter()
+            if task.kind.is_chunk:
+                # post the next chunk's receives now, so its inputs travel while we compute
+                for r in self.next_recvs[i]:
+                    if r.tag not in posted:
+                        posted[r.tag] = self._post_recv(r)
             if task.kind is Kind.FWD:
                 saved[(task.stage, task.mb)] = self._forward(task, acts)
                 loss = saved[(task.stage, task.mb)].loss
@@ -153,11 +167,9 @@ class RankExecutor:
                     t = store[(v, task.mb)].detach().contiguous()
                     pending.append((dist.isend(t, dst=task.peer, tag=task.tag + k), t))
             elif task.kind is Kind.RECV:
-                for k, v in enumerate(task.values):
-                    info = self.plan.model.value(v)
-                    buf = torch.empty(info.shape, dtype=getattr(torch, info.dtype),
-                                      device=self.device)
-                    dist.irecv(buf, src=task.peer, tag=task.tag + k).wait()
+                works = posted.pop(task.tag, None) or self._post_recv(task)
+                for v, (work, buf) in zip(task.values, works):
+                    work.wait()
                     key = (v, task.mb)
                     if task.grad and key in grads:  # a value several stages consume
                         grads[key] = grads[key] + buf
@@ -191,6 +203,14 @@ class RankExecutor:
         has_loss = self.plan.output_stage in self.rp.stages
         return StepOutcome(loss_sum if has_loss else None, elapsed, self.ledger.peak(),
                            self.ledger.model_state_peak(), spans)
+
+    def _post_recv(self, task: Task) -> list[tuple[Any, torch.Tensor]]:
+        out = []
+        for k, v in enumerate(task.values):
+            info = self.plan.model.value(v)
+            buf = torch.empty(info.shape, dtype=getattr(torch, info.dtype), device=self.device)
+            out.append((dist.irecv(buf, src=task.peer, tag=task.tag + k), buf))
+        return out
 
     def _update(self, stage: int) -> None:
         if stage in self.sharded:
@@ -259,32 +279,20 @@ class RankExecutor:
                 [shard.flat] if shard is not None else self.params[task.stage])
         if not leaves + weights or not saved.roots:
             return
-        got = torch.autograd.grad(saved.roots, leaves + weights, saved.seeds,
-                                  retain_graph=task.kind is Kind.BWD_I, allow_unused=True)
-        for (name, x), g in zip(saved.acts, got[:len(leaves)]):
-            g = torch.zeros_like(x) if g is None else g
+        # backward(inputs=...) accumulates into .grad in place, as eager training does
+        torch.autograd.backward(saved.roots, saved.seeds, inputs=leaves + weights,
+                                retain_graph=task.kind is Kind.BWD_I)
+        for name, x in saved.acts if leaves else ():
+            g = torch.zeros_like(x) if x.grad is None else x.grad
+            x.grad = None
             key = (name, task.mb)
             grads[key] = grads[key] + g if key in grads else g
-        if task.kind is not Kind.BWD_I:
-            self._weight_grads(task, got[len(leaves):])
-
-    def _weight_grads(self, task: Task, got: tuple[torch.Tensor | None, ...]) -> None:
-        tied = self.tied_in[task.stage]
-        for p, g in zip(tied, got[:len(tied)]):
-            if g is not None:  # tied parameters may be used by other stages too: accumulate
-                p.grad = g if p.grad is None else p.grad + g
-        got = got[len(tied):]
-        shard = self.sharded.get(task.stage)
-        if shard is not None:
-            g = got[0]
-            shard.add_grad(task.mb, torch.zeros_like(shard.shard).repeat(shard.size)
-                           if g is None else g)
+        if shard is not None and task.kind is not Kind.BWD_I:
+            g = shard.flat.grad
+            shard.flat.grad = None
+            shard.add_grad(task.mb, torch.zeros_like(shard.flat.data) if g is None else g)
             if shard.zero == 3:
                 shard.free()
-            return
-        for p, g in zip(self.params[task.stage], got):
-            if g is not None:
-                p.grad = g if p.grad is None else p.grad + g
 
     def _all_reduce_tied(self, task: Task) -> None:
         """Sum the gradients of tied parameters over every copy (stages x replicas)."""

@@ -47,10 +47,6 @@ CASES = {
 
 # cases on another model: [model file, --model-arg, KEY=VALUE, ...]
 OTHER_MODEL = {
-    "pp2_zb1p": ["--gpus", "2", "--pp", "2", "--schedule", "zb1p", "--microbatches", "4"],
-    "pp4_zb1p": ["--gpus", "4", "--pp", "4", "--schedule", "zb1p", "--microbatches", "8"],
-    "pp2_dp2_zero2_zb1p": ["--gpus", "4", "--pp", "2", "--dp", "2", "--zero", "2",
-                           "--schedule", "zb1p", "--microbatches", "4"],
     "tied_pp2_1f1b": [GPT, *TINY, "--model-arg", "tie=true"],
     "tied_pp2_dp2_zero3": [GPT, *TINY, "--model-arg", "tie=true"],
     "tied_pp2_interleaved": [GPT, *TINY, "--model-arg", "tie=true"],

@@ -5,7 +5,7 @@
 Same model (examples/gpt.py, size=mini), same seed and batch, same microbatches, same stage
 boundaries (ours, balanced by cost), same threads per rank, gloo on CPU. Ours runs on Ray
 actors through `runtime.launcher.run`; theirs runs torch's `Schedule1F1B` /
-`ScheduleInterleaved1F1B` in processes from `torch.multiprocessing`. Runs alternate
+`ScheduleInterleaved1F1B` / `ScheduleDualPipeV` in processes from `torch.multiprocessing`. Runs alternate
 (ours, theirs, ours, ...) so machine noise hits both; each run's first step (warm-up) is
 dropped and the median of the rest is reported, with the ratio ours/theirs.
 """
@@ -37,7 +37,16 @@ from search_spaces.partition import balanced_stages
 
 GPT = str(ROOT / "examples" / "gpt.py")
 MODEL_ARGS = (("size", "mini"),)
-THEIRS = {"1f1b": "Schedule1F1B", "interleaved-1f1b": "ScheduleInterleaved1F1B"}
+THEIRS = {"1f1b": "Schedule1F1B", "interleaved-1f1b": "ScheduleInterleaved1F1B",
+          "dualpipev": "ScheduleDualPipeV"}
+VIRTUAL = {"1f1b": 1, "interleaved-1f1b": 2, "dualpipev": 2}
+
+
+def device_of(schedule: str, stage: int, n_stages: int, world: int) -> int:
+    """Where both systems put a stage: looped for interleaving, a V for dualpipev."""
+    if schedule == "dualpipev" and stage >= world:
+        return n_stages - 1 - stage
+    return stage % world
 
 
 class RegionStage(nn.Module):
@@ -76,7 +85,7 @@ def _theirs_worker(rank: int, world: int, port: int, schedule: str, stages: list
     model = spec.build()
     torch.manual_seed(0)
     (x,), y = spec.batch(batch)
-    mine = [s for s in range(len(stages)) if s % world == rank]
+    mine = [s for s in range(len(stages)) if device_of(schedule, s, len(stages), world) == rank]
     pstages = [pipelining.PipelineStage(RegionStage(model, stages[s]), s, len(stages),
                                         torch.device("cpu")) for s in mine]
     params = [p for st in pstages for p in st.submod.parameters()]
@@ -140,7 +149,7 @@ def main() -> None:
     print("|---|---|---|---|---|")
     for world in args.ranks:
         for schedule in args.schedules:
-            v = 2 if schedule == "interleaved-1f1b" else 1
+            v = VIRTUAL[schedule]
             stages = [[names[i] for i in r]
                       for r in balanced_stages(ev.region_costs(), world * v)]
             a: list[float] = []

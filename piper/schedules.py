@@ -141,8 +141,95 @@ def zb1p(stages: Sequence[Sequence[str]], *, microbatches: int, dp: int = 1,
     return Program(ds, name="zb1p")
 
 
+def dualpipev_order(rank: int, pp: int, microbatches: int) -> list[str]:
+    """DualPipeV (DeepSeek-V3's DualPipe cut in half) on one device, in its eight phases.
+
+    The device holds chunk 0 = stage `rank` (forward path going out) and chunk 1 = stage
+    2·pp−1−rank (coming back; the last stage, with the loss, is on device 0). Phases:
+    1 nF0, 2 nF0F1, 3 nB1W1F1 (zero-bubble), 4 nF0B1F1B0 (the steady state: each forward
+    paired with a backward of the other chunk, so one's communication hides behind the
+    other's compute), 5 nB1F1B0, 6 nB1B0 (second half zero-bubble), 7 nWB0, 8 nW.
+    A zero-bubble backward runs I now and queues W; `weight` runs the oldest queued W.
+    """
+    chunk = (rank, 2 * pp - 1 - rank)
+    fwd, bwd = [0, 0], [0, 0]
+    queue: list[str] = []
+    out: list[str] = []
+
+    def f(c: int) -> None:
+        out.append(f"F{chunk[c]}.{fwd[c]}")
+        fwd[c] += 1
+
+    def b(c: int, zero_bubble: bool = False) -> None:
+        out.append(f"I{chunk[c]}.{bwd[c]}")
+        w = f"W{chunk[c]}.{bwd[c]}"
+        bwd[c] += 1
+        if zero_bubble:
+            queue.append(w)
+        else:
+            out.append(w)
+
+    def weight() -> None:
+        out.append(queue.pop(0))
+
+    for _ in range((pp - rank - 1) * 2):  # 1
+        f(0)
+    for _ in range(rank + 1):  # 2
+        f(0)
+        f(1)
+    for _ in range(pp - rank - 1):  # 3
+        b(1, zero_bubble=True)
+        weight()
+        f(1)
+    for _ in range(microbatches - 2 * pp + rank + 1):  # 4 (F0 with B1, then F1 with B0)
+        f(0)
+        b(1)
+        f(1)
+        b(0)
+    for _ in range(pp - rank - 1):  # 5
+        b(1)
+        f(1)
+        b(0)
+    half = rank + 1
+    zb = False
+    for i in range(half):  # 6
+        if i == half // 2 and rank % 2 == 1:
+            zb = True
+        b(1, zero_bubble=zb)
+        if i == half // 2 and rank % 2 == 0:
+            zb = True
+        b(0, zero_bubble=zb)
+    for _ in range(pp - rank - 1):  # 7
+        weight()
+        b(0, zero_bubble=True)
+    while queue:  # 8
+        weight()
+    return out
+
+
+def dualpipev(stages: Sequence[Sequence[str]], *, microbatches: int, dp: int = 1,
+              zero: int = 0, pp: int | None = None) -> Program:
+    """DualPipeV: 2·pp stages in a V (stage s on device s, then back: 2·pp−1−s), pairs of
+    forward and backward chunks, and zero-bubble weight gradients; microbatches >= 2·pp."""
+    pp = pp or len(stages) // 2
+    if len(stages) != 2 * pp:
+        raise ValueError(f"dualpipev needs 2 x pp = {2 * pp} stages, got {len(stages)}")
+    if microbatches < 2 * pp:
+        raise ValueError(f"dualpipev: microbatches={microbatches} must be at least "
+                         f"2 x pp = {2 * pp}")
+    ds: list[Directive] = [Place(tuple(r), stage=s, device=s if s < pp else 2 * pp - 1 - s)
+                           for s, r in enumerate(stages)]
+    ds += [Split(microbatches), SplitBackward()]
+    if dp > 1 or zero:
+        ds.append(Replicate(dp, zero=zero))
+    for d in range(pp):
+        ds.append(Order(d, " ".join(dualpipev_order(d, pp, microbatches))))
+    return Program(ds, name="dualpipev")
+
+
 SCHEDULES: dict[str, Callable[..., Program]] = {
-    "gpipe": gpipe, "1f1b": one_f_one_b, "interleaved-1f1b": interleaved_1f1b, "zb1p": zb1p}
+    "gpipe": gpipe, "1f1b": one_f_one_b, "interleaved-1f1b": interleaved_1f1b, "zb1p": zb1p,
+    "dualpipev": dualpipev}
 
 
 def build(schedule: str, stages: Sequence[Sequence[str]], *, microbatches: int,

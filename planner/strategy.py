@@ -39,16 +39,18 @@ def shorthand_program(args: argparse.Namespace, gpus: int, regions: tuple[str, .
                       region_costs: tuple[float, ...]) -> Program:
     pp, dp = degrees(args, gpus)
     schedule = args.schedule or "1f1b"
-    v = args.virtual_stages or 1
+    v = args.virtual_stages or (2 if schedule == "dualpipev" else 1)
     if v < 1:
         raise PiperError(f"--virtual-stages must be >= 1, got {v}")
-    if v > 1 and schedule != "interleaved-1f1b":
+    if schedule == "dualpipev" and v != 2:
+        raise PiperError(f"dualpipev runs 2 stages per device (a V), not --virtual-stages {v}")
+    if v > 1 and schedule not in ("interleaved-1f1b", "dualpipev"):
         raise PiperError(f"--virtual-stages {v} needs --schedule interleaved-1f1b, "
                          f"not {schedule}")
     if pp * v > len(regions):
         raise PiperError(f"--pp {pp} x --virtual-stages {v} needs at least {pp * v} regions; "
                          f"the model has {len(regions)}: {', '.join(regions)}")
-    m = args.microbatches or pp
+    m = args.microbatches or (2 * pp if schedule == "dualpipev" else pp)
     stages = [[regions[i] for i in r] for r in balanced_stages(region_costs, pp * v)]
     try:
         return schedules.build(schedule, stages, microbatches=m, dp=dp, pp=pp,

@@ -30,6 +30,8 @@ def shapes(name: str) -> list[tuple[int, int, int]]:
     """(pp, stages, microbatches) combinations a schedule accepts on 6 regions."""
     if name == "interleaved-1f1b":
         return [(2, 4, 2), (2, 4, 4), (2, 6, 6), (3, 6, 3), (2, 4, 8)]
+    if name == "dualpipev":
+        return [(1, 2, 2), (2, 4, 4), (2, 4, 7), (3, 6, 6), (3, 6, 10)]
     return [(1, 1, 1), (2, 2, 1), (2, 2, 4), (3, 3, 5), (6, 6, 8)]
 
 
@@ -47,7 +49,7 @@ def test_schedule_contract(dag0, name, pp, n_stages, m, dp):
     plan = schedule(dag)  # includes the deadlock dry run
     for rp in plan.ranks:
         chunks = [t.name for t in rp.tasks if t.kind.is_chunk]
-        kinds = "FIW" if name == "zb1p" else "FB"
+        kinds = "FIW" if name in ("zb1p", "dualpipev") else "FB"
         expected = {f"{k}{s}.{mb}" for s in rp.stages for mb in range(m) for k in kinds}
         assert sorted(chunks) == sorted(expected), "every chunk task of the rank exactly once"
     summary = prog.summary()
@@ -108,6 +110,33 @@ def test_split_backward_only_on_chosen_stages_and_not_twice(dag0):
         piper.Program([*base, piper.SplitBackward(), piper.SplitBackward()]).apply(dag0)
     with pytest.raises(piper.DirectiveError, match="ZeRO-3 with SplitBackward"):
         piper.Program([*base, piper.SplitBackward(), piper.Replicate(2, zero=3)]).apply(dag0)
+
+
+def test_dualpipev_places_stages_in_a_v_with_the_loss_on_device_zero(dag0):
+    prog = schedules.dualpipev(cut(dag0.model.names, 4), microbatches=4)
+    dag = prog.apply(dag0)
+    assert [s.device for s in dag.stages] == [0, 1, 1, 0]
+    assert dag.stage_of_region("head") == 3
+
+
+@pytest.mark.parametrize(("pp", "m"), [(2, 4), (3, 7), (4, 8)])
+def test_dualpipev_runs_every_half_backward_once_in_eight_phases(pp, m):
+    for rank in range(pp):
+        order = schedules.dualpipev_order(rank, pp, m)
+        chunks = (rank, 2 * pp - 1 - rank)
+        assert sorted(order) == sorted(f"{k}{s}.{mb}" for s in chunks for mb in range(m)
+                                       for k in "FIW")
+        for s in chunks:  # each chunk walks its microbatches in order, W after its I
+            for k in "FIW":
+                mbs = [int(t.split(".")[1]) for t in order if t.startswith(f"{k}{s}.")]
+                assert mbs == list(range(m))
+            for mb in range(m):
+                assert order.index(f"W{s}.{mb}") > order.index(f"I{s}.{mb}")
+
+
+def test_dualpipev_rejects_too_few_microbatches(dag0):
+    with pytest.raises(ValueError, match="at least 2 x pp = 4"):
+        schedules.dualpipev(cut(dag0.model.names, 4), microbatches=3)
 
 
 def test_one_stage_schedules_reject_extra_stages(dag0):

@@ -187,6 +187,7 @@ def cmd_search(args: argparse.Namespace) -> int:
     from planner.report import predicted_line, results_table, summary_line
     from planner.search import run_search
     from search_spaces import PipelineSpace
+    from search_spaces.pipeline import ALL_SCHEDULES
 
     spec = _spec(args)
     if args.trials < 1:
@@ -200,7 +201,8 @@ def cmd_search(args: argparse.Namespace) -> int:
     ev = Evaluator(spec, args.gpus, batch, cluster)
     log(f"captured {spec.path}: {len(ev.captured.graph.regions)} regions, "
         f"{sum(r.param_numel for r in ev.captured.graph.regions) / 1e6:,.1f}M parameters")
-    space = PipelineSpace(ev.captured.graph.names, ev.region_costs(), args.gpus, batch)
+    space = PipelineSpace(ev.captured.graph.names, ev.region_costs(), args.gpus, batch,
+                          schedules=ALL_SCHEDULES, zeros=(0, 1, 2, 3))
     result = run_search(ev, space, trials=args.trials, timeout=args.timeout,
                         sampler=args.sampler, storage=storage, study_name=args.study_name,
                         seed=args.seed, progress=not args.json)

@@ -92,9 +92,20 @@ def test_grid_sampler_covers_the_space(tmp_path, capsys):
     rc, res = run_json(capsys, ["search", GPT, *TINY, "--gpus", "2", "--sampler", "grid",
                                 "--trials", "1000", "--out", str(tmp_path), "--json"])
     assert rc == 0
-    # pp in {1, 2} x microbatches in divisors(32) (6) x 2 schedules, less the two points
-    # (pp=1, dp=2, 32 microbatches) whose dp x microbatches does not divide the batch
-    assert res["trials"] == 2 * 6 * 2 - 2
+    # every feasible point of the space once: the grid is the space's enumeration
+    from cost_models import CATALOG
+    from piper.model_file import load_model_file
+    from planner.evaluate import Evaluator
+    from search_spaces import PipelineSpace
+    from search_spaces.pipeline import ALL_SCHEDULES
+
+    ev = Evaluator(load_model_file(GPT, (("size", "tiny"),)), 2, 32, CATALOG["h100-80gb"])
+    space = PipelineSpace(ev.captured.graph.names, ev.region_costs(), 2, 32,
+                          schedules=ALL_SCHEDULES, zeros=(0, 1, 2, 3))
+    feasible = list(space.enumerate())
+    assert res["trials"] == len(feasible)
+    assert {p["schedule"] for p, _ in feasible} == set(ALL_SCHEDULES)
+    assert {p["zero"] for p, _ in feasible} == {0, 1, 2, 3}
 
 
 def test_memory_infeasible_search_exits_1(tmp_path, capsys):

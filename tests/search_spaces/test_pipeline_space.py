@@ -43,7 +43,29 @@ class FirstChoiceTrial:
 def test_grid_lists_pp_dividing_gpus_up_to_the_region_count() -> None:
     g = space(gpus=12, batch_size=16, max_microbatches=8).grid()
     assert g == {"pp": [1, 2, 3, 4, 6], "microbatches": [1, 2, 4, 8],
-                 "schedule": ["gpipe", "1f1b"]}
+                 "schedule": ["gpipe", "1f1b"], "zero": [0]}
+
+
+def test_full_space_rules_out_points_no_schedule_can_run(dag0: TrainingDAG) -> None:
+    from search_spaces.pipeline import ALL_SCHEDULES
+
+    sp = PipelineSpace(dag0.model.names, (1.0,) * 6, 4, 16, schedules=ALL_SCHEDULES,
+                       zeros=(0, 1, 2, 3))
+    points = list(sp.enumerate())
+    for p, prog in points:
+        dag = prog.apply(dag0)
+        assert dag.world_size == 4 and dag.zero == p["zero"]
+        assert p["zero"] == 0 or dag.dp > 1
+        if p["schedule"] in ("interleaved-1f1b", "dualpipev"):
+            assert len(dag.stages) == 2 * p["pp"]
+        if p["schedule"] == "dualpipev":
+            assert p["microbatches"] >= 2 * p["pp"]
+        assert not (p["zero"] == 3 and p["schedule"] in ("zb1p", "dualpipev"))
+    assert {p["schedule"] for p, _ in points} == set(ALL_SCHEDULES)
+    with pytest.raises(Infeasible, match="at least 2 x pp = 4 microbatches"):
+        sp.program(pp=2, microbatches=2, schedule="dualpipev", zero=0)
+    with pytest.raises(Infeasible, match="dp=1 has none"):
+        sp.program(pp=4, microbatches=4, schedule="1f1b", zero=1)
 
 
 @pytest.mark.parametrize("gpus, batch", [(4, 8), (6, 12), (8, 4), (1, 3)])
@@ -104,7 +126,8 @@ def test_suggest_asks_every_grid_parameter_and_builds_that_point(dag0: TrainingD
 
 def test_suggest_with_an_optuna_fixed_trial(dag0: TrainingDAG) -> None:
     sp = space(gpus=4, batch_size=8)
-    prog = sp.suggest(optuna.trial.FixedTrial({"pp": 2, "microbatches": 4, "schedule": "1f1b"}))
+    prog = sp.suggest(optuna.trial.FixedTrial({"pp": 2, "microbatches": 4, "schedule": "1f1b",
+                                               "zero": 0}))
     assert isinstance(prog, Program)
     assert prog == schedules.one_f_one_b(sp.stages(2), microbatches=4, dp=2)
     assert prog.apply(dag0).world_size == 4
@@ -113,4 +136,5 @@ def test_suggest_with_an_optuna_fixed_trial(dag0: TrainingDAG) -> None:
 def test_suggest_of_an_infeasible_point_raises_infeasible() -> None:
     sp = space(gpus=4, batch_size=8)
     with pytest.raises(Infeasible):
-        sp.suggest(optuna.trial.FixedTrial({"pp": 1, "microbatches": 8, "schedule": "gpipe"}))
+        sp.suggest(optuna.trial.FixedTrial({"pp": 1, "microbatches": 8, "schedule": "gpipe",
+                                            "zero": 0}))

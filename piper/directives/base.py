@@ -34,7 +34,8 @@ class Directive:
         """A constructor call a person can read and edit; `eval` gives an equal directive."""
         fields = dataclasses.fields(self)  # type: ignore[arg-type]
         first, rest = fields[0], fields[1:]
-        parts = [self._fmt(first.name, getattr(self, first.name))]
+        value = getattr(self, first.name)
+        parts = [] if value == first.default else [self._fmt(first.name, value)]
         parts += [f"{f.name}={self._fmt(f.name, getattr(self, f.name))}" for f in rest
                   if getattr(self, f.name) != f.default]
         return f"{type(self).__name__}({', '.join(parts)})"

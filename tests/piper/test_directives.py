@@ -352,7 +352,7 @@ def test_order_normalises_whitespace_and_accepts_a_task_list() -> None:
 
 # --- verify ------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("name", sorted(schedules.SCHEDULES))
+@pytest.mark.parametrize("name", sorted(set(schedules.SCHEDULES) - {"dualpipev"}))  # V: own test
 @pytest.mark.parametrize("pp", [1, 2, 3, 6])
 @pytest.mark.parametrize("m, dp", [(1, 1), (4, 1), (3, 2)])
 def test_every_schedule_dag_verifies(dag0: TrainingDAG, name: str, pp: int, m: int,

@@ -150,6 +150,7 @@ class TrainingDAG:
     zero: int = 0
     placement: tuple[tuple[str, int, int], ...] = ()  # (region, stage, device) from Place
     ordered: tuple[int, ...] = ()  # devices an Order has constrained
+    streams: tuple[tuple[str, str], ...] = ()  # task kind value -> logical stream (Stream)
 
     @property
     def pp(self) -> int:

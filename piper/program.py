@@ -11,7 +11,16 @@ from pathlib import Path
 from typing import Any
 
 from piper.dag import TrainingDAG, verify
-from piper.directives import Directive, Order, Place, Replicate, Split, SplitBackward, from_dict
+from piper.directives import (
+    Directive,
+    Order,
+    Place,
+    Replicate,
+    Split,
+    SplitBackward,
+    Stream,
+    from_dict,
+)
 from piper.errors import DirectiveError, PiperError
 
 JSON_VERSION = 1
@@ -38,7 +47,7 @@ class Program:
         for i, d in enumerate(self.directives):
             if d.phase < phase:
                 raise DirectiveError(i, d, "directives go in the order Place, Split, "
-                                     "SplitBackward, Replicate, Order")
+                                     "SplitBackward, Replicate, Order/Stream")
             phase = d.phase
             dag = d.apply(dag, i)
         placed = {r for r, _, _ in dag.placement}
@@ -127,4 +136,4 @@ class Program:
         return prog
 
 
-__all__ = ["Order", "Place", "Program", "Replicate", "Split", "SplitBackward"]
+__all__ = ["Order", "Place", "Program", "Replicate", "Split", "SplitBackward", "Stream"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from piper import schedules
+from piper.directives import Stream
 from piper.errors import PiperError
 from piper.program import Program
 from search_spaces.partition import balanced_stages
@@ -53,10 +54,15 @@ def shorthand_program(args: argparse.Namespace, gpus: int, regions: tuple[str, .
     m = args.microbatches or (2 * pp if schedule == "dualpipev" else pp)
     stages = [[regions[i] for i in r] for r in balanced_stages(region_costs, pp * v)]
     try:
-        return schedules.build(schedule, stages, microbatches=m, dp=dp, pp=pp,
+        prog = schedules.build(schedule, stages, microbatches=m, dp=dp, pp=pp,
                                zero=args.zero or 0)
     except ValueError as e:
         raise PiperError(str(e)) from None
+    if getattr(args, "comm_stream", False):
+        # one group's collectives share a stream: ZeRO-3's gathers stay with compute
+        kinds = {1: "AR RS AG", 2: "AR RS AG", 3: "AR"}.get(args.zero or 0, "AR RS")
+        prog = Program([*prog.directives, Stream(kinds, stream="comm")], name=prog.name)
+    return prog
 
 
 def add_shorthand_flags(p: argparse.ArgumentParser) -> None:
@@ -71,5 +77,7 @@ def add_shorthand_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--virtual-stages", type=int,
                    help="stages per pipeline rank (interleaved-1f1b)")
     g.add_argument("--microbatches", type=int, help="microbatches per replica (default pp)")
+    g.add_argument("--comm-stream", action="store_true", default=False,
+                   help="run gradient collectives on their own stream, overlapping backward")
     g.add_argument("--recompute", action="store_true", default=False,
                    help="activation recompute (not supported yet)")

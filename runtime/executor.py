@@ -7,6 +7,7 @@ groups must already be initialised; everything it sends or receives is a real
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,7 +20,7 @@ from piper.capture import Captured
 from piper.dag import Kind
 from piper.model_file import ModelSpec
 from runtime.memory import MemoryLedger
-from runtime.plan import Plan, RankPlan, Task
+from runtime.plan import COMPUTE_STREAM, Plan, RankPlan, Task
 from runtime.stage_module import StageModule, build_stage
 from runtime.zero import ShardedStage
 
@@ -31,6 +32,22 @@ class _Saved:
     loss: torch.Tensor | None = None
     roots: list[torch.Tensor] = field(default_factory=list)  # backward from these...
     seeds: list[torch.Tensor] = field(default_factory=list)  # ...with these gradients
+
+
+@dataclass
+class _StepState:
+    """What the streams of one step share (dict and list updates are atomic under the GIL)."""
+
+    events: dict[str, threading.Event]
+    acts: dict[tuple[str, int], torch.Tensor] = field(default_factory=dict)
+    grads: dict[tuple[str, int], torch.Tensor] = field(default_factory=dict)
+    saved: dict[tuple, _Saved] = field(default_factory=dict)
+    pending: list[Any] = field(default_factory=list)  # (isend work, tensor kept alive)
+    posted: dict[int, list[tuple[Any, torch.Tensor]]] = field(default_factory=dict)
+    spans: list[tuple[Task, float, float]] = field(default_factory=list)
+    loss_sum: float = 0.0
+    t0: float = 0.0
+    error: BaseException | None = None
 
 
 @dataclass
@@ -123,7 +140,7 @@ class RankExecutor:
         self.loss_scale = 1.0 / (plan.dp * plan.microbatches)
         self.ledger = MemoryLedger(device)
         # for each chunk task: the receives that feed the next two chunks (lookahead)
-        tasks = self.rp.tasks
+        tasks = self.rp.stream(COMPUTE_STREAM)
         chunks = [i for i, t in enumerate(tasks) if t.kind.is_chunk]
         self.next_recvs: dict[int, list[Task]] = {}
         for a, b in zip(chunks, chunks[1:] + [len(tasks)]):
@@ -132,77 +149,98 @@ class RankExecutor:
 
     # ---- one step -----------------------------------------------------------------------
     def step(self) -> StepOutcome:
-        acts: dict[tuple[str, int], torch.Tensor] = {}
-        grads: dict[tuple[str, int], torch.Tensor] = {}
-        saved: dict[tuple, _Saved] = {}
-        pending: list[Any] = []
-        loss_sum = 0.0
-        spans: list[tuple[Task, float, float]] = []
+        """One training step: each logical stream of this rank in its own thread (the
+        compute stream in this one), synchronised by one event per task."""
+        st = _StepState({t.name: threading.Event() for t in self.rp.tasks})
         self.ledger.start_step()
-        posted: dict[int, list[tuple[Any, torch.Tensor]]] = {}  # RECV tag -> (work, buffer)
         dist.barrier()  # every rank starts the step together, so step times are comparable
-        t0 = time.perf_counter()
-        for i, task in enumerate(self.rp.tasks):
-            ts = time.perf_counter()
-            if task.kind.is_chunk:
-                # post the next chunk's receives now, so its inputs travel while we compute
-                for r in self.next_recvs[i]:
-                    if r.tag not in posted:
-                        posted[r.tag] = self._post_recv(r)
-            if task.kind is Kind.FWD:
-                saved[(task.stage, task.mb)] = self._forward(task, acts)
-                loss = saved[(task.stage, task.mb)].loss
-                if loss is not None:
-                    loss_sum += float(loss.detach())
-            elif task.kind in (Kind.BWD, Kind.BWD_I):
-                sv = saved.pop((task.stage, task.mb))
-                self._backward(task, sv, grads)
-                if task.kind is Kind.BWD_I:  # W still needs the graph
-                    saved[(task.stage, task.mb, "W")] = sv
-            elif task.kind is Kind.BWD_W:
-                self._backward(task, saved.pop((task.stage, task.mb, "W")), grads)
-            elif task.kind is Kind.SEND:
-                store = grads if task.grad else acts
-                for k, v in enumerate(task.values):
-                    t = store[(v, task.mb)].detach().contiguous()
-                    pending.append((dist.isend(t, dst=task.peer, tag=task.tag + k), t))
-            elif task.kind is Kind.RECV:
-                works = posted.pop(task.tag, None) or self._post_recv(task)
-                for v, (work, buf) in zip(task.values, works):
-                    work.wait()
-                    key = (v, task.mb)
-                    if task.grad and key in grads:  # a value several stages consume
-                        grads[key] = grads[key] + buf
-                    else:
-                        (grads if task.grad else acts)[key] = buf
-            elif task.kind is Kind.ALL_REDUCE and task.values:
-                self._all_reduce_tied(task)
-            elif task.kind.is_collective and task.stage not in self.optim:
-                pass  # a parameter-free stage: every replica skips alike
-            elif task.kind is Kind.ALL_REDUCE:
-                self._all_reduce(task)
-            elif task.kind is Kind.ALL_GATHER:
-                self.sharded[task.stage].materialize()
-            elif task.kind is Kind.REDUCE_SCATTER:
-                self.sharded[task.stage].reduce_scatter(task.mb)
-            elif task.kind is Kind.UPDATE and ("tied", task.stage) in self.optim:
-                self._step(("tied", task.stage))
-                if task.stage in self.optim:
-                    self._update(task.stage)
-            elif task.kind is Kind.UPDATE and task.stage not in self.optim:
-                pass
-            elif task.kind is Kind.UPDATE:
-                self._update(task.stage)
-            spans.append((task, ts - t0, time.perf_counter() - t0))
-            self.ledger.observe(self.params, self.optim, self.sharded, saved)
-        for work, _ in pending:
+        st.t0 = time.perf_counter()
+        others = [threading.Thread(target=self._run_stream, args=(ts, st, False), daemon=True)
+                  for name, ts in self.rp.streams if name != COMPUTE_STREAM]
+        for th in others:
+            th.start()
+        try:
+            self._run_stream(self.rp.stream(COMPUTE_STREAM), st, True)
+        finally:
+            for th in others:
+                th.join()
+        if st.error is not None:
+            raise st.error
+        for work, _ in st.pending:
             work.wait()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        elapsed = time.perf_counter() - t0
+        elapsed = time.perf_counter() - st.t0
         has_loss = self.plan.output_stage in self.rp.stages
-        return StepOutcome(loss_sum if has_loss else None, elapsed, self.ledger.peak(),
-                           self.ledger.model_state_peak(), spans)
+        return StepOutcome(st.loss_sum if has_loss else None, elapsed, self.ledger.peak(),
+                           self.ledger.model_state_peak(), st.spans)
+
+    def _run_stream(self, tasks: tuple[Task, ...], st: _StepState, compute: bool) -> None:
+        try:
+            for i, task in enumerate(tasks):
+                for name in task.after:  # a task of another stream this one depends on
+                    while not st.events[name].wait(0.05):
+                        if st.error is not None:
+                            return
+                if st.error is not None:
+                    return
+                ts = time.perf_counter()
+                if compute and task.kind.is_chunk:
+                    # post the next chunks' receives now, so their inputs travel meanwhile
+                    for r in self.next_recvs[i]:
+                        if r.tag not in st.posted:
+                            st.posted[r.tag] = self._post_recv(r)
+                self._run_task(task, st)
+                st.spans.append((task, ts - st.t0, time.perf_counter() - st.t0))
+                st.events[task.name].set()
+                if compute:
+                    self.ledger.observe(self.params, self.optim, self.sharded, st.saved)
+        except BaseException as e:  # noqa: BLE001 - handed to the step's caller
+            st.error = st.error or e
+
+    def _run_task(self, task: Task, st: _StepState) -> None:
+        acts, grads, saved = st.acts, st.grads, st.saved
+        if task.kind is Kind.FWD:
+            saved[(task.stage, task.mb)] = self._forward(task, acts)
+            loss = saved[(task.stage, task.mb)].loss
+            if loss is not None:
+                st.loss_sum += float(loss.detach())
+        elif task.kind in (Kind.BWD, Kind.BWD_I):
+            sv = saved.pop((task.stage, task.mb))
+            self._backward(task, sv, grads)
+            if task.kind is Kind.BWD_I:  # W still needs the graph
+                saved[(task.stage, task.mb, "W")] = sv
+        elif task.kind is Kind.BWD_W:
+            self._backward(task, saved.pop((task.stage, task.mb, "W")), grads)
+        elif task.kind is Kind.SEND:
+            store = grads if task.grad else acts
+            for k, v in enumerate(task.values):
+                t = store[(v, task.mb)].detach().contiguous()
+                st.pending.append((dist.isend(t, dst=task.peer, tag=task.tag + k), t))
+        elif task.kind is Kind.RECV:
+            works = st.posted.pop(task.tag, None) or self._post_recv(task)
+            for v, (work, buf) in zip(task.values, works):
+                work.wait()
+                key = (v, task.mb)
+                if task.grad and key in grads:  # a value several stages consume
+                    grads[key] = grads[key] + buf
+                else:
+                    (grads if task.grad else acts)[key] = buf
+        elif task.kind is Kind.ALL_REDUCE and task.values:
+            self._all_reduce_tied(task)
+        elif task.kind.is_collective and task.stage not in self.optim:
+            pass  # a parameter-free stage: every replica skips alike
+        elif task.kind is Kind.ALL_REDUCE:
+            self._all_reduce(task)
+        elif task.kind is Kind.ALL_GATHER:
+            self.sharded[task.stage].materialize()
+        elif task.kind is Kind.REDUCE_SCATTER:
+            self.sharded[task.stage].reduce_scatter(task.mb)
+        elif task.kind is Kind.UPDATE:
+            if ("tied", task.stage) in self.optim:
+                self._step(("tied", task.stage))
+            if task.stage in self.optim:
+                self._update(task.stage)
 
     def _post_recv(self, task: Task) -> list[tuple[Any, torch.Tensor]]:
         out = []

@@ -39,7 +39,7 @@ class MemoryLedger:
                 optim: dict[int, torch.optim.Optimizer], sharded: dict[int, ShardedStage],
                 saved: dict[Any, Any]) -> None:
         model, transient = 0, 0
-        for s, ps in params.items():
+        for s, ps in list(params.items()):
             if s in optim:
                 model += optimizer_state_bytes(optim[s])
             if s in sharded:
@@ -48,7 +48,7 @@ class MemoryLedger:
             else:
                 model += sum(_nbytes(p) + _nbytes(p.grad) for p in ps)
         live = 0
-        for sv in saved.values():
+        for sv in list(saved.values()):  # another stream may add entries meanwhile
             live += sum(_nbytes(t) for t in sv.outputs.values())
             live += sum(_nbytes(t) for _, t in sv.acts)
         self._model_state_peak = max(self._model_state_peak, model)

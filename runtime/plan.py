@@ -20,7 +20,9 @@ class Task:
     """One step of a rank's program.
 
     P2P tasks carry the peer rank, the FX value names of the tensors and a tag (tensor k of
-    the message uses tag + k); ALL_REDUCE carries its process-group ranks.
+    the message uses tag + k); collectives carry their process-group ranks. `after` names the
+    tasks on other streams of the same rank this one waits for (events); within a stream,
+    order alone orders.
     """
 
     kind: Kind
@@ -32,6 +34,7 @@ class Task:
     tag: int = 0
     group: tuple[int, ...] = ()
     name: str = ""
+    after: tuple[str, ...] = ()  # tasks of another stream of this rank that must finish first
 
     def __repr__(self) -> str:
         return self.name

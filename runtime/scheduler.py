@@ -13,6 +13,9 @@ Passes, in order:
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import replace
+
 import networkx as nx
 
 from piper.dag import Kind, Node, TrainingDAG
@@ -91,8 +94,7 @@ def schedule(dag: TrainingDAG, *, check: bool = True) -> Plan:
             raise PiperError(f"scheduler left tasks unplaced on rank {rank}: {sorted(missing)}")
         device, replica = divmod(rank, dag.dp)
         stages = tuple(s.index for s in dag.stages if s.device == device)
-        ranks.append(RankPlan(rank, device, replica, stages,
-                              ((COMPUTE_STREAM, tuple(task(n) for n in seq)),)))
+        ranks.append(RankPlan(rank, device, replica, stages, _streams(dag, seq, task)))
     out = dag.stage_of_region(dag.model.regions[dag.model.output_region].name)
     plan = Plan(
         model=dag.model,
@@ -110,6 +112,33 @@ def schedule(dag: TrainingDAG, *, check: bool = True) -> Plan:
     if check:
         dry_run(plan)
     return plan
+
+
+def _streams(dag: TrainingDAG, seq: list[Node], task: Callable[[Node], Task]
+             ) -> tuple[tuple[str, tuple[Task, ...]], ...]:
+    """Split one rank's order by logical stream; an edge from another stream of the same
+    rank becomes a wait (`Task.after`). With one stream nothing changes."""
+    stream_of = dict(dag.streams)
+    where = {n: stream_of.get(n.kind.value, COMPUTE_STREAM) for n in seq}
+    rank_of = dag.rank_of
+    out: dict[str, list[Task]] = {COMPUTE_STREAM: []}
+    for n in seq:
+        t = task(n)
+        after = sorted(p.name for p in dag.graph.predecessors(n)
+                       if p in where and where[p] != where[n] and rank_of(p) == rank_of(n))
+        if after:
+            t = replace(t, after=tuple(after))
+        out.setdefault(where[n], []).append(t)
+    streams_of_group: dict[tuple[int, ...], set[str]] = {}
+    for s, ts in out.items():
+        for t in ts:
+            if t.group:
+                streams_of_group.setdefault(t.group, set()).add(s)
+    for group, names in streams_of_group.items():
+        if len(names) > 1:  # two threads would interleave one communicator's collectives
+            raise PiperError(f"collectives of group {list(group)} are split over streams "
+                             f"{sorted(names)}; put them all on one stream")
+    return tuple((s, tuple(ts)) for s, ts in out.items())
 
 
 def _tags(dag: TrainingDAG) -> dict[tuple, int]:

@@ -6,5 +6,7 @@ from piper.directives.place import Place
 from piper.directives.replicate import Replicate
 from piper.directives.split import Split
 from piper.directives.split_backward import SplitBackward
+from piper.directives.stream import Stream
 
-__all__ = ["Directive", "Order", "Place", "Replicate", "Split", "SplitBackward", "from_dict"]
+__all__ = ["Directive", "Order", "Place", "Replicate", "Split", "SplitBackward", "Stream",
+           "from_dict"]

@@ -143,7 +143,7 @@ def test_place_of_one_stage_on_two_devices_raises(dag0: TrainingDAG) -> None:
 def test_split_before_place_raises_phase_order_error(dag0: TrainingDAG) -> None:
     prog = Program([Split(2), *(Place(tuple(r), stage=s, device=s)
                                 for s, r in enumerate(STAGES[2]))])
-    with pytest.raises(piper.DirectiveError, match="in the order Place, Split, SplitBackward, Replicate, Order"
+    with pytest.raises(piper.DirectiveError, match="in the order Place, Split, SplitBackward, Replicate, Order/Stream"
                        ) as e:
         prog.apply(dag0)
     assert e.value.index == 1

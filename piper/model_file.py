@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -12,6 +10,7 @@ from typing import Any
 import torch
 
 from piper.errors import PiperError
+from piper.pyfile import import_user_file
 
 DEFAULT_BATCH_SIZE = 16
 
@@ -88,18 +87,7 @@ def load_model_file(path: str | Path, model_args: tuple[tuple[str, Any], ...] = 
     p = Path(path)
     if not p.is_file():
         raise PiperError(f"model file {str(path)!r} not found")
-    mod_name = f"piper_user_model_{abs(hash(str(p.resolve())))}"
-    spec = importlib.util.spec_from_file_location(mod_name, p)
-    if spec is None or spec.loader is None:
-        raise PiperError(f"model file {str(path)!r} is not a Python file")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[mod_name] = module
-    try:
-        spec.loader.exec_module(module)
-    except SyntaxError as e:
-        raise PiperError(f"{path}:{e.lineno}: syntax error: {e.msg}")
-    except Exception as e:  # noqa: BLE001 - any import failure is the user's file
-        raise PiperError(f"{path}: importing the model file failed: {type(e).__name__}: {e}")
+    module = import_user_file(p, "model file")
     for required in ("build_model", "example_batch"):
         if not callable(getattr(module, required, None)):
             raise PiperError(f"{path}: model file must define {required}()")

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from collections.abc import Iterable
 from dataclasses import KW_ONLY, dataclass
 from pathlib import Path
@@ -22,6 +20,7 @@ from piper.directives import (
     from_dict,
 )
 from piper.errors import DirectiveError, PiperError
+from piper.pyfile import import_user_file
 
 JSON_VERSION = 1
 
@@ -110,18 +109,7 @@ class Program:
                 return Program.from_json(p.read_text())
             except (ValueError, TypeError, KeyError) as e:
                 raise PiperError(f"{path}: not a valid strategy JSON: {e}") from None
-        mod_name = f"piper_strategy_{abs(hash(str(p.resolve())))}"
-        spec = importlib.util.spec_from_file_location(mod_name, p)
-        if spec is None or spec.loader is None:
-            raise PiperError(f"strategy file {str(path)!r} must be .py or .json")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[mod_name] = module
-        try:
-            spec.loader.exec_module(module)
-        except SyntaxError as e:
-            raise PiperError(f"{path}:{e.lineno}: syntax error: {e.msg}") from None
-        except Exception as e:  # noqa: BLE001 - user code
-            raise PiperError(f"{path}: {type(e).__name__}: {e}") from None
+        module = import_user_file(p, "strategy file")
         fn = getattr(module, "strategy", None)
         if not callable(fn):
             raise PiperError(f"{path}: strategy file must define strategy()")

@@ -45,10 +45,10 @@ def schedule(dag: TrainingDAG, *, check: bool = True) -> Plan:
     tags = _tags(dag)
     group_of = {s.index: tuple(s.device * dag.dp + r for r in range(dag.dp)) for s in dag.stages}
     ties = dag.tie_groups()
-    tie_group = [tuple(sorted(dag.stages[s].device * dag.dp + r for s in set(stages)
-                              for r in range(dag.dp)))
+    # every rank holding a copy: the tied stages' devices, each with all its replicas
+    tie_group = [tuple(sorted({dag.stages[s].device * dag.dp + r for s in stages
+                               for r in range(dag.dp)}))
                  for _, stages in ties]
-    tie_group = [tuple(sorted(set(g))) for g in tie_group]
 
     def task(n: Node) -> Task:
         if n.kind.is_p2p:

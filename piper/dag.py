@@ -268,12 +268,13 @@ def verify(dag: TrainingDAG) -> None:
     devices = sorted({s.device for s in dag.stages})
     if devices != list(range(len(devices))):
         problems.append(f"devices must be 0..{len(devices) - 1}, got {devices}")
-    sinks = [n for n in g.nodes if n.kind is Kind.UPDATE]
-    feeds_update = set(sinks)
-    for u, v in nx.bfs_edges(g, sinks[0], reverse=True) if sinks else ():
-        feeds_update.add(v)
-    for s in sinks[1:]:
-        feeds_update.update(v for _, v in nx.bfs_edges(g, s, reverse=True))
+    feeds_update = {n for n in g.nodes if n.kind is Kind.UPDATE}
+    frontier = list(feeds_update)
+    while frontier:  # one reverse walk from every update at once
+        for p in g.predecessors(frontier.pop()):
+            if p not in feeds_update:
+                feeds_update.add(p)
+                frontier.append(p)
     for n in g.nodes:
         if n.kind is Kind.FWD and not any(Node(k, n.stage, n.mb, n.replica) in g
                                           for k in (Kind.BWD, Kind.BWD_I)):

@@ -9,10 +9,9 @@ from typing import Any
 from cost_models import ClusterSpec, ModelCosts, Prediction, model_costs, simulate
 from piper.capture import Captured, capture
 from piper.dag import TrainingDAG, single_device_dag
-from piper.errors import PiperError
 from piper.model_file import ModelSpec
 from piper.program import Program
-from runtime.launcher import microbatch_size
+from runtime.launcher import apply_for, program_microbatch_size
 from runtime.plan import Plan
 from runtime.scheduler import schedule
 
@@ -57,11 +56,6 @@ class Evaluator:
                      for r in self.captured.graph.names)
 
     def evaluate(self, program: Program) -> Evaluation:
-        s = program.summary()
-        mb = microbatch_size(self.batch_size, s["dp"], s["microbatches"])
-        dag = program.apply(self.dag)
-        if dag.world_size != self.gpus:
-            raise PiperError(f"strategy needs pp={dag.pp} x dp={dag.dp} = {dag.world_size} "
-                             f"devices, but --gpus is {self.gpus}")
-        plan = schedule(dag)
+        mb = program_microbatch_size(program, self.batch_size)
+        plan = schedule(apply_for(program, self.dag, self.gpus))
         return Evaluation(program, plan, simulate(plan, self.costs, self.cluster, mb), mb)

@@ -44,7 +44,7 @@ class _StepState:
     saved: dict[tuple, _Saved] = field(default_factory=dict)
     pending: list[Any] = field(default_factory=list)  # (isend work, tensor kept alive)
     posted: dict[int, list[tuple[Any, torch.Tensor]]] = field(default_factory=dict)
-    spans: list[tuple[Task, float, float]] = field(default_factory=list)
+    spans: list[tuple[str, Task, float, float]] = field(default_factory=list)  # stream, ...
     loss_sum: float = 0.0
     t0: float = 0.0
     error: BaseException | None = None
@@ -56,7 +56,7 @@ class StepOutcome:
     time_s: float
     peak_memory_bytes: int
     model_state_bytes: int  # peak of parameters + gradients + optimizer state so far
-    spans: list[tuple[Task, float, float]] = field(default_factory=list)
+    spans: list[tuple[str, Task, float, float]] = field(default_factory=list)  # stream, ...
 
 
 class RankExecutor:
@@ -155,12 +155,13 @@ class RankExecutor:
         self.ledger.start_step()
         dist.barrier()  # every rank starts the step together, so step times are comparable
         st.t0 = time.perf_counter()
-        others = [threading.Thread(target=self._run_stream, args=(ts, st, False), daemon=True)
+        others = [threading.Thread(target=self._run_stream, args=(name, ts, st, False),
+                                   daemon=True)
                   for name, ts in self.rp.streams if name != COMPUTE_STREAM]
         for th in others:
             th.start()
         try:
-            self._run_stream(self.rp.stream(COMPUTE_STREAM), st, True)
+            self._run_stream(COMPUTE_STREAM, self.rp.stream(COMPUTE_STREAM), st, True)
         finally:
             for th in others:
                 th.join()
@@ -175,7 +176,8 @@ class RankExecutor:
         return StepOutcome(st.loss_sum if has_loss else None, elapsed, self.ledger.peak(),
                            self.ledger.model_state_peak(), st.spans)
 
-    def _run_stream(self, tasks: tuple[Task, ...], st: _StepState, compute: bool) -> None:
+    def _run_stream(self, stream: str, tasks: tuple[Task, ...], st: _StepState,
+                    compute: bool) -> None:
         try:
             for i, task in enumerate(tasks):
                 for name in task.after:  # a task of another stream this one depends on
@@ -191,7 +193,7 @@ class RankExecutor:
                         if r.tag not in st.posted:
                             st.posted[r.tag] = self._post_recv(r)
                 self._run_task(task, st)
-                st.spans.append((task, ts - st.t0, time.perf_counter() - st.t0))
+                st.spans.append((stream, task, ts - st.t0, time.perf_counter() - st.t0))
                 st.events[task.name].set()
                 if compute:
                     self.ledger.observe(self.params, self.optim, self.sharded, st.saved)

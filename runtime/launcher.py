@@ -11,12 +11,12 @@ import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 from piper.capture import capture
-from piper.dag import single_device_dag
+from piper.dag import TrainingDAG, single_device_dag
 from piper.errors import PiperError
 from piper.model_file import ModelSpec
 from piper.program import Program
 from runtime.dryrun import Span
-from runtime.plan import COMPUTE_STREAM, Plan
+from runtime.plan import Plan
 from runtime.scheduler import schedule
 from runtime.worker import RemoteWorker
 
@@ -52,15 +52,24 @@ def microbatch_size(batch_size: int, dp: int, microbatches: int) -> int:
     return per // microbatches
 
 
-def lower(spec: ModelSpec, program: Program, gpus: int, batch_size: int) -> Plan:
-    """Capture at the microbatch size, apply the Program, schedule, and check the world size."""
+def program_microbatch_size(program: Program, batch_size: int) -> int:
     s = program.summary()
-    mb = microbatch_size(batch_size, s["dp"], s["microbatches"])
-    dag = program.apply(single_device_dag(capture(spec, mb).graph))
-    if dag.world_size != gpus:
-        raise PiperError(f"strategy needs pp={dag.pp} x dp={dag.dp} = {dag.world_size} "
+    return microbatch_size(batch_size, s["dp"], s["microbatches"])
+
+
+def apply_for(program: Program, dag: TrainingDAG, gpus: int) -> TrainingDAG:
+    """Apply `program` to a single-device DAG and check it uses exactly `gpus` devices."""
+    out = program.apply(dag)
+    if out.world_size != gpus:
+        raise PiperError(f"strategy needs pp={out.pp} x dp={out.dp} = {out.world_size} "
                          f"devices, but --gpus is {gpus}")
-    return schedule(dag)
+    return out
+
+
+def lower(spec: ModelSpec, program: Program, gpus: int, batch_size: int) -> Plan:
+    """Capture at the microbatch size, apply the Program, check the world size, schedule."""
+    mb = program_microbatch_size(program, batch_size)
+    return schedule(apply_for(program, single_device_dag(capture(spec, mb).graph), gpus))
 
 
 def ensure_ray(address: str | None = None) -> None:
@@ -102,8 +111,8 @@ def run(spec: ModelSpec, plan: Plan, *, batch_size: int, steps: int, seed: int,
             loss = sum(o.loss_sum for o in outs if o.loss_sum is not None)
             results.append(StepResult(k, loss, max(o.time_s for o in outs)))
             peaks = [max(p, o.peak_memory_bytes) for p, o in zip(peaks, outs)]
-            spans = tuple(Span(r, COMPUTE_STREAM, t, a, b) for r, o in enumerate(outs)
-                          for t, a, b in o.spans)
+            spans = tuple(Span(r, stream, t, a, b) for r, o in enumerate(outs)
+                          for stream, t, a, b in o.spans)
         _gather([a.shutdown.remote() for a in actors], timeout_s, "shutdown")
         states = tuple(o.model_state_bytes for o in outs)
         return RunResult(tuple(results), tuple(peaks), plan, spans, states)

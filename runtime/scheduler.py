@@ -4,7 +4,7 @@ Passes, in order:
 1. `compute_order`  — one global topological order of all nodes (data + temporal edges),
    ties broken GPipe-style; each rank's chunk tasks are its projection, so every cross-rank
    path is respected.
-2. `place_comms`    — SEND right after its producer, RECV and ZeRO-3's ALL_GATHER right
+2. comm placement   — (in `schedule`) SEND right after its producer, RECV and ZeRO-3's ALL_GATHER right
    before their consumer, ALL_REDUCE / REDUCE_SCATTER right after the last backward they
    need; then the tied-parameter all-reduces (they span pipeline devices, so waiting
    earlier could stall a peer), then UPDATE, each followed by its parameter ALL_GATHER.

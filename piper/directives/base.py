@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable
 from typing import Any, ClassVar
 
 from piper.dag import TrainingDAG
@@ -46,6 +47,11 @@ class Directive:
 
     def __repr__(self) -> str:
         return self.to_python()
+
+
+def words(value: str | Iterable[str]) -> str:
+    """A space-separated string from a string or a sequence of words (Order, Stream)."""
+    return " ".join(value.split() if isinstance(value, str) else value)
 
 
 def from_dict(d: dict[str, Any]) -> Directive:

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import networkx as nx
 
 from piper.dag import Kind, Node, TrainingDAG, parse_task
-from piper.directives.base import Directive
+from piper.directives.base import Directive, words
 from piper.errors import DirectiveError
 
 
@@ -32,8 +32,7 @@ class Order(Directive):
     phase = 4
 
     def __post_init__(self) -> None:
-        t = self.tasks
-        object.__setattr__(self, "tasks", " ".join(t.split() if isinstance(t, str) else t))
+        object.__setattr__(self, "tasks", words(self.tasks))
 
     def apply(self, dag: TrainingDAG, index: int) -> TrainingDAG:
         names = self.tasks.split()

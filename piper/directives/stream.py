@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import KW_ONLY, dataclass
 
 from piper.dag import Kind, TrainingDAG
-from piper.directives.base import Directive
+from piper.directives.base import Directive, words
 from piper.errors import DirectiveError
 
 MOVABLE = {Kind.ALL_REDUCE.value, Kind.REDUCE_SCATTER.value, Kind.ALL_GATHER.value}
@@ -34,8 +34,7 @@ class Stream(Directive):
     phase = 4
 
     def __post_init__(self) -> None:
-        k = self.kinds
-        object.__setattr__(self, "kinds", " ".join(k.split() if isinstance(k, str) else k))
+        object.__setattr__(self, "kinds", words(self.kinds))
 
     def apply(self, dag: TrainingDAG, index: int) -> TrainingDAG:
         kinds = self.kinds.split()

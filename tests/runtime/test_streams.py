@@ -69,3 +69,19 @@ def test_overlap_never_slows_the_simulated_step_and_hides_all_reduce(captured):
     spans = dry_run(plan)
     comm = [s for s in spans if s.stream == "comm"]
     assert comm and all(s.task.kind is Kind.ALL_REDUCE for s in comm)
+
+
+def test_measured_trace_shows_each_stream(ray_session, tmp_path, capsys):
+    import json
+
+    from planner.cli import main
+    from tests.conftest import TINY
+
+    trace = tmp_path / "t.json"
+    rc = main(["run", GPT, *TINY, "--gpus", "2", "--dp", "2", "--microbatches", "2",
+               "--comm-stream", "--steps", "1", "--device", "cpu", "--trace", str(trace)])
+    capsys.readouterr()
+    assert rc == 0
+    events = [e for e in json.loads(trace.read_text())["traceEvents"] if e["ph"] == "X"]
+    by_stream = {(e["tid"], e["name"]) for e in events}
+    assert {("comm", "AR0"), (COMPUTE_STREAM, "U0")} <= by_stream

@@ -1,10 +1,13 @@
-"""Analytical compute costs: FLOPs and saved bytes per region, and task durations from them.
+"""Analytical compute costs: FLOPs, ops and saved bytes per region, and task durations.
 
 `model_costs` re-runs the captured FX graph on meta tensors, one node at a time, under
 `torch.utils.flop_counter.FlopCounterMode`: FLOPs come from PyTorch's own per-op formulas and
-land on the region that owns the node. Nothing touches real memory, so a 70B model is costed
-on a laptop. `TaskCosts` turns those figures and a `ClusterSpec` into the `duration` and
-`transfer` callables `runtime.dryrun.dry_run` runs a Plan with.
+land on the region that owns the node, together with the op itself (its size and dtype), so
+durations can follow a per-device efficiency curve by matmul size instead of one average
+rate. Saved bytes come from autograd's saved-tensor hooks (`cost_models.saved`). Nothing
+touches real memory, so a 70B model is costed on a laptop. `TaskCosts` turns those figures
+and a `ClusterSpec` into the `duration` and `transfer` callables `runtime.dryrun.dry_run` runs
+a Plan with.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from cost_models import comm
 from cost_models.cluster import ClusterSpec
+from cost_models.saved import saved_bytes
 from piper.capture import Captured
 from piper.dag import Kind
 from runtime.plan import Plan, Task
@@ -29,6 +33,18 @@ BACKWARD_FLOPS_RATIO = 2.0
 
 UPDATE_BYTES_PER_PARAM = 28
 """fp32 AdamW streams param, grad, m, v in (16 B) and param, m, v out (12 B): memory-bound."""
+
+_LOW_PRECISION = (torch.bfloat16, torch.float16)
+
+
+@dataclass(frozen=True, slots=True)
+class OpGroup:
+    """`count` ops of one region that cost alike: `flops` each at the capture batch (0: no
+    matmul math, so only the per-op overhead), in 16-bit floats or not."""
+
+    flops: int
+    count: int
+    low_precision: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -42,17 +58,34 @@ class ModelCosts:
     regions: tuple[str, ...]
     forward_flops: tuple[int, ...]
     activation_bytes: tuple[int, ...]
-    """Bytes of the non-aliasing op outputs: an upper bound on what autograd saves."""
+    """Bytes autograd saves for backward (saved-tensor hooks); where the hooked run is not
+    possible, the non-aliasing op outputs, an upper bound."""
     params: tuple[int, ...]
     batch: int
     tokens_per_sample: int
     element_size: int = 4
     """Bytes per parameter element (the model's floating dtype)."""
+    ops: tuple[tuple[OpGroup, ...], ...] = ()
+    """Per region, its ops grouped by size; empty: time by total FLOPs only."""
+    param_tensors: tuple[int, ...] = ()
+    """Per region, parameter tensors it owns (an optimizer step costs per tensor)."""
+    recompute_bytes: tuple[int, ...] = ()
+    """Per region, what it keeps when recomputed in backward: its inputs."""
+    _ops_match: bool = field(init=False, repr=False, compare=False, hash=False, default=False)
 
     def __post_init__(self) -> None:
         n = len(self.regions)
         if not (len(self.forward_flops) == len(self.activation_bytes) == len(self.params) == n):
             raise ValueError("ModelCosts: every per-region tuple must have one entry per region")
+        for f in ("ops", "param_tensors", "recompute_bytes"):
+            if getattr(self, f) and len(getattr(self, f)) != n:
+                raise ValueError(f"ModelCosts: {f} must be empty or have one entry per region")
+        # op records describe `forward_flops`; figures replaced without them (a what-if
+        # model) no longer match, and are then timed by their totals alone
+        match = bool(self.ops) and all(
+            sum(g.flops * g.count for g in groups) == f
+            for groups, f in zip(self.ops, self.forward_flops, strict=True))
+        object.__setattr__(self, "_ops_match", match)
         if self.batch < 1:
             raise ValueError(f"ModelCosts: batch must be >= 1, got {self.batch}")
 
@@ -62,8 +95,43 @@ class ModelCosts:
     def forward_flops_of(self, regions: Sequence[str], samples: float) -> float:
         return self._sum(self.forward_flops, regions) * samples / self.batch
 
-    def activation_bytes_of(self, regions: Sequence[str], samples: float) -> float:
-        return self._sum(self.activation_bytes, regions) * samples / self.batch
+    def activation_bytes_of(self, regions: Sequence[str], samples: float,
+                            recompute: bool = False) -> float:
+        """Bytes a microbatch of `samples` keeps from its forward to its backward."""
+        figures = self.recompute_bytes if recompute and self.recompute_bytes else (
+            self.activation_bytes)
+        return self._sum(figures, regions) * samples / self.batch
+
+    def recompute_peak_bytes_of(self, regions: Sequence[str], samples: float) -> float:
+        """Under recompute, the largest one region rebuilds while its backward runs."""
+        return max((self.activation_bytes[self.regions.index(r)] for r in regions),
+                   default=0) * samples / self.batch
+
+    def param_tensors_of(self, regions: Sequence[str]) -> int:
+        return self._sum(self.param_tensors, regions) if self.param_tensors else len(regions)
+
+    def chunk_seconds(self, regions: Sequence[str], samples: float,
+                      cluster: ClusterSpec) -> tuple[float, float]:
+        """(forward, backward) seconds of `regions` on `samples`, op by op.
+
+        A matmul of f FLOPs takes f / `cluster.matmul_rate(f)` forward and twice that
+        backward (input and weight gradients: two matmuls of the same size); every other op
+        costs the cluster's per-op overhead. Without op records: FLOPs / effective rate.
+        """
+        if not self._ops_match:
+            fwd = self.forward_flops_of(regions, samples) / cluster.effective_flops
+            return fwd, BACKWARD_FLOPS_RATIO * fwd
+        scale = samples / self.batch
+        mm = other = 0.0
+        for r in regions:
+            for g in self.ops[self.regions.index(r)]:
+                if g.flops:
+                    f = g.flops * scale
+                    mm += g.count * f / cluster.matmul_rate(f, g.low_precision)
+                else:
+                    other += g.count
+        return (mm + other * cluster.op_overhead_s,
+                BACKWARD_FLOPS_RATIO * mm + other * cluster.backward_op_overhead_s)
 
     def params_of(self, regions: Sequence[str]) -> int:
         return self._sum(self.params, regions)
@@ -81,14 +149,19 @@ def model_costs(captured: Captured) -> ModelCosts:
     placeholders = [n for n in ep.graph.nodes if n.op == "placeholder"]
     with counter.mode:
         counter.run(*(_to_meta(n.meta.get("val")) for n in placeholders))
+    measured = saved_bytes(captured)
     return ModelCosts(
         regions=mg.names,
         forward_flops=tuple(counter.flops),
-        activation_bytes=tuple(counter.saved),
+        activation_bytes=measured[0] if measured else tuple(counter.saved),
         params=tuple(r.param_numel for r in mg.regions),
         batch=mg.batch,
         tokens_per_sample=_tokens_per_sample(captured),
         element_size=_element_size(captured),
+        ops=tuple(tuple(OpGroup(f, c, lp) for (f, lp), c in sorted(groups.items()))
+                  for groups in counter.ops),
+        param_tensors=tuple(len(r.params) for r in mg.regions),
+        recompute_bytes=measured[1] if measured else (),
     )
 
 
@@ -105,6 +178,7 @@ class _RegionCounter(fx.Interpreter):
         self.mode = FlopCounterMode(display=False)
         self.flops = [0] * regions
         self.saved = [0] * regions
+        self.ops: list[dict[tuple[int, bool], int]] = [{} for _ in range(regions)]
 
     def run_node(self, n: fx.Node) -> object:
         if n.op != "call_function":
@@ -115,11 +189,20 @@ class _RegionCounter(fx.Interpreter):
         except Exception:  # noqa: BLE001 - an op without a meta kernel: shapes from capture
             out = _to_meta(n.meta.get("val"))
         r = self.node_region.get(n.name, 0)
-        self.flops[r] += self.mode.get_total_flops() - before
+        flops = self.mode.get_total_flops() - before
+        self.flops[r] += flops
+        if getattr(n.target, "_schema", None) is not None:  # an ATen op, not Python glue
+            key = (flops, _low_precision(out))
+            self.ops[r][key] = self.ops[r].get(key, 0) + 1
         if not _aliases(n):
             self.saved[r] += sum(t.numel() * t.element_size()
                                  for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor))
         return out
+
+
+def _low_precision(out: object) -> bool:
+    return any(isinstance(t, torch.Tensor) and t.dtype in _LOW_PRECISION
+               for t in pytree.tree_leaves(out))
 
 
 def _aliases(n: fx.Node) -> bool:
@@ -187,52 +270,61 @@ class TaskCosts:
     def duration(self, rank: int, task: Task) -> float:
         """Busy time of `task` on `rank`'s stream."""
         k = task.kind
+        if k.is_compute:
+            return self._compute(task) + self.cluster.task_overhead_s
+        if k is Kind.SEND:
+            # isend: the sender posts it and moves on; the wire time is `transfer`
+            return self.cluster.send_overhead_s + self.cluster.task_overhead_s
+        if k is Kind.RECV:
+            return 0.0  # dry_run charges the wait until arrival
+        kind = _COLLECTIVE.get(k)
+        if kind is not None:  # ZeRO gathers parameters and scatters gradients of full size
+            return comm.collective_time(kind, self.gradient_bytes[task.stage], task.group,
+                                        self.cluster)
+        raise NotImplementedError(f"no cost model for task kind {k.name} ({task.name})")
+
+    def _compute(self, task: Task) -> float:
+        k = task.kind
         if k is Kind.FWD:
             return self.forward_s[task.stage]
         if k is Kind.BWD:
             return self.backward_s[task.stage]
         if k in (Kind.BWD_I, Kind.BWD_W):  # each about one forward's matmuls
             return self.backward_s[task.stage] / 2
-        if k is Kind.UPDATE:
-            return self.update_s[task.stage]
-        if k is Kind.SEND:
-            return 0.0  # isend: the sender posts it and moves on; the wire time is `transfer`
-        if k is Kind.RECV:
-            return 0.0  # dry_run charges the wait until arrival
-        if k is Kind.ALL_REDUCE:
-            lat, bw = comm.link(self.cluster, task.group)
-            return comm.ring_all_reduce_time(self.gradient_bytes[task.stage], len(task.group),
-                                             latency=lat, bandwidth=bw)
-        if k in (Kind.ALL_GATHER, Kind.REDUCE_SCATTER):  # ZeRO: parameters or gradients
-            lat, bw = comm.link(self.cluster, task.group)
-            return comm.ring_all_gather_time(self.gradient_bytes[task.stage], len(task.group),
-                                             latency=lat, bandwidth=bw)
-        raise NotImplementedError(f"no cost model for task kind {k.name} ({task.name})")
+        return self.update_s[task.stage]
 
     def transfer(self, rank: int, task: Task) -> float:
         """Wire time of a SEND from `rank` to `task.peer`: alpha + bytes / beta."""
         nbytes = sum(self._bytes[v] for v in task.values)
-        lat, bw = comm.link(self.cluster, (rank, task.peer))
-        return comm.p2p_time(nbytes, latency=lat, bandwidth=bw)
+        return comm.p2p_message_time(self.cluster, rank, task.peer, nbytes)
+
+
+_COLLECTIVE = {Kind.ALL_REDUCE: comm.ALL_REDUCE, Kind.ALL_GATHER: comm.ALL_GATHER,
+               Kind.REDUCE_SCATTER: comm.REDUCE_SCATTER}
 
 
 def task_costs(plan: Plan, costs: ModelCosts, cluster: ClusterSpec,
-               microbatch_size: int) -> TaskCosts:
-    """Analytical TaskCosts: FLOPs / effective FLOP/s; updates priced by memory bandwidth."""
-    rate = cluster.effective_flops
-    fwd = tuple(costs.forward_flops_of(rs, microbatch_size) / rate for rs in plan.stage_regions)
+               microbatch_size: int, *, recompute: bool = False) -> TaskCosts:
+    """Analytical TaskCosts: chunks op by op (`ModelCosts.chunk_seconds`); updates per
+    parameter tensor plus the bytes AdamW streams over memory bandwidth. With `recompute`
+    each backward first repeats its forward."""
+    chunks = [costs.chunk_seconds(rs, microbatch_size, cluster) for rs in plan.stage_regions]
+    fwd = tuple(f for f, _ in chunks)
+    bwd = tuple(b + (f if recompute else 0.0) for f, b in chunks)
     params = tuple(costs.params_of(rs) for rs in plan.stage_regions)
     shards = plan.dp if plan.zero else 1  # ZeRO ranks update only their shard
-    if cluster.memory_bandwidth is None:
-        update = tuple(0.0 for _ in params)
-    else:
-        update = tuple(UPDATE_BYTES_PER_PARAM * p / shards / cluster.memory_bandwidth
-                       for p in params)
+    # ZeRO's optimizer sees one flat shard per stage, plain DP every parameter tensor
+    tensors = tuple((1 if p else 0) if plan.zero else costs.param_tensors_of(rs)
+                    for p, rs in zip(params, plan.stage_regions, strict=True))
+    per_tensor = cluster.optimizer_tensor_overhead_s
+    bw = cluster.memory_bandwidth
+    update = tuple(n * per_tensor + (UPDATE_BYTES_PER_PARAM * p / shards / bw if bw else 0.0)
+                   for n, p in zip(tensors, params, strict=True))
     scale = microbatch_size / plan.model.batch
     return TaskCosts(
         cluster=cluster,
         forward_s=fwd,
-        backward_s=tuple(BACKWARD_FLOPS_RATIO * t for t in fwd),
+        backward_s=bwd,
         update_s=update,
         gradient_bytes=tuple(costs.element_size * p for p in params),
         value_bytes=tuple((v.name, round(v.nbytes * scale)) for v in plan.model.values),

@@ -4,7 +4,9 @@
     piper-plan search MODEL.py --gpus 16 --cluster h200
     piper-plan search MODEL.py --gpus 16 --cluster my_cluster.toml
 
-A spec file is flat TOML with the field names of `ClusterSpec`; `to_toml` writes one.
+A spec file is flat TOML with the field names of `ClusterSpec`; `to_toml` writes one, and
+`piper-plan profile` writes one measured on the machine it runs on. Fitted collectives are
+inline tables: `all_reduce = { latency = 4.1e-05, bandwidth = 1.9e9 }`.
 
 `flops` is the peak dense rate of the math PyTorch runs *by default* for fp32 tensors:
 `torch.get_float32_matmul_precision()` is "highest", so CUDA matmuls use IEEE fp32 on the
@@ -23,6 +25,25 @@ from pathlib import Path
 from piper.errors import PiperError
 
 GiB = 2**30
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class AlphaBeta:
+    """A fitted alpha-beta pair: seconds per message step and bytes/s of the link."""
+
+    latency: float
+    bandwidth: float
+
+    def __post_init__(self) -> None:
+        if not _number(self.latency) or not 0 <= self.latency < math.inf:
+            raise PiperError(f"latency must be a finite number >= 0, got {self.latency!r}")
+        if not _number(self.bandwidth) or not self.bandwidth > 0:
+            raise PiperError(f"bandwidth must be a number > 0, got {self.bandwidth!r}")
+
+
+COLLECTIVE_FIELDS = ("all_reduce", "all_gather", "reduce_scatter", "p2p")
+"""Optional per-kind alpha-beta figures fitted inside one node; they replace the generic
+intra-node link for that kind (inter-node traffic keeps the inter-node figures)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -49,6 +70,34 @@ class ClusterSpec:
     """Device memory bytes/s; prices the optimizer step. None: the step is not priced."""
     source: str = ""
     """Where the figures come from, so a reader can check them."""
+    bf16_flops: float | None = None
+    """Peak dense FLOP/s for 16-bit float matmuls (tensor cores); None: same as `flops`."""
+    matmul_half_flops: float = 0.0
+    """FLOPs of one matmul at which it reaches half of `compute_efficiency`: small matmuls
+    do not fill the device. 0: efficiency does not depend on size."""
+    op_overhead_s: float = 0.0
+    """Fixed seconds per forward op besides its math (dispatch; launch when host-bound)."""
+    backward_op_overhead_s: float = 0.0
+    """The same per forward op, for its backward (autograd's engine runs a node per op)."""
+    optimizer_tensor_overhead_s: float = 0.0
+    """Fixed seconds per parameter tensor in an optimizer step (AdamW runs ops per tensor)."""
+    task_overhead_s: float = 0.0
+    """Fixed seconds the runtime spends per task of a Plan (bookkeeping between tasks)."""
+    send_overhead_s: float = 0.0
+    """Seconds a rank is busy posting one message (LogP's sender overhead o); the message
+    then travels for alpha + n / beta."""
+    cores_per_node: float | None = None
+    """CPU ranks share a node's cores: k ranks computing at once each run at
+    min(1, cores / k) of their speed. A measured spec holds the cores the ranks effectively
+    got (one rank's time alone over N ranks' time at once, times N), which folds in other
+    load on the machine. None: every rank owns its device (GPUs)."""
+    comm_compute_contention: float = 0.0
+    """Fraction by which compute slows while a collective of its rank runs on another stream
+    (communication kernels and copies take a share of the device)."""
+    all_reduce: AlphaBeta | None = None
+    all_gather: AlphaBeta | None = None
+    reduce_scatter: AlphaBeta | None = None
+    p2p: AlphaBeta | None = None
 
     def __post_init__(self) -> None:
         problems = []
@@ -67,9 +116,22 @@ class ClusterSpec:
         e = self.compute_efficiency
         if not _number(e) or not 0 < e <= 1:
             problems.append(f"compute_efficiency must be in (0, 1], got {e!r}")
-        m = self.memory_bandwidth
-        if m is not None and (not _number(m) or not m > 0):
-            problems.append(f"memory_bandwidth must be a number > 0, got {m!r}")
+        for f in ("memory_bandwidth", "bf16_flops"):
+            v = getattr(self, f)
+            if v is not None and (not _number(v) or not v > 0):
+                problems.append(f"{f} must be a number > 0, got {v!r}")
+        for f in ("matmul_half_flops", "op_overhead_s", "backward_op_overhead_s",
+                  "optimizer_tensor_overhead_s", "task_overhead_s", "send_overhead_s",
+                  "comm_compute_contention"):
+            v = getattr(self, f)
+            if not _number(v) or not 0 <= v < math.inf:
+                problems.append(f"{f} must be a finite number >= 0, got {v!r}")
+        c = self.cores_per_node
+        if c is not None and (not _number(c) or not 0 < c < math.inf):
+            problems.append(f"cores_per_node must be a number > 0, got {c!r}")
+        for f in COLLECTIVE_FIELDS:
+            if getattr(self, f) is not None and not isinstance(getattr(self, f), AlphaBeta):
+                problems.append(f"{f} must be an AlphaBeta, got {getattr(self, f)!r}")
         if problems:
             raise PiperError(f"cluster {self.name!r}: " + "; ".join(problems))
 
@@ -81,13 +143,32 @@ class ClusterSpec:
     def effective_flops(self) -> float:
         return self.flops * self.compute_efficiency
 
+    def peak_flops(self, low_precision: bool = False) -> float:
+        """Peak dense FLOP/s for fp32 (`flops`) or 16-bit float math (`bf16_flops`)."""
+        return (self.bf16_flops or self.flops) if low_precision else self.flops
+
+    def matmul_rate(self, flops: float, low_precision: bool = False) -> float:
+        """Achieved FLOP/s of one matmul of `flops`: peak x efficiency x f / (f + half).
+
+        The saturating curve is the same as a fixed cost per matmul (half / achieved peak
+        seconds) plus its FLOPs at the achieved peak, which is what a size sweep measures.
+        """
+        rate = self.peak_flops(low_precision) * self.compute_efficiency
+        if self.matmul_half_flops <= 0 or flops <= 0:
+            return rate
+        return rate * flops / (flops + self.matmul_half_flops)
+
 
 def _number(v: object) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and not math.isnan(v)
 
 
+# Where catalog figures come from. Peak rates, memory sizes and bandwidths, and link rates are
+# vendor datasheet numbers; everything else is an assumption and is labelled as one. A
+# measured spec (`piper-plan profile`) is the way to replace assumptions with figures.
 _NVIDIA = "NVIDIA datasheet"
-_LAT = "latencies: typical NCCL small-message figures, not datasheet"
+_ASSUMED = ("assumed, not measured: compute_efficiency 0.5 (whole-model share of peak), "
+            "latencies (typical NCCL small-message figures); profile to replace them")
 
 CATALOG: dict[str, ClusterSpec] = {
     s.name: s for s in (
@@ -96,30 +177,38 @@ CATALOG: dict[str, ClusterSpec] = {
             memory_bytes=40 * GiB, flops=19.5e12, compute_efficiency=0.5,
             intra_node_bandwidth=300e9, intra_node_latency=5e-6,
             inter_node_bandwidth=25e9, inter_node_latency=1e-5, memory_bandwidth=1555e9,
-            source=f"{_NVIDIA} A100 (FP32 19.5 TF; TF32 dense 156 TF; HBM2 1555 GB/s; NVLink3 "
-                   "600 GB/s bidirectional); DGX A100: one HDR 200 Gb/s HCA per GPU; " + _LAT),
+            bf16_flops=312e12,
+            source=f"{_NVIDIA} A100 SXM (FP32 19.5 TF; TF32 dense 156 TF; BF16 dense 312 TF; "
+                   "HBM2 1555 GB/s; NVLink3 600 GB/s bidirectional); DGX A100 datasheet: "
+                   "one 200 Gb/s HDR HCA per GPU; " + _ASSUMED),
         ClusterSpec(
             name="a100-80gb", device="NVIDIA A100-SXM4-80GB", gpus_per_node=8,
             memory_bytes=80 * GiB, flops=19.5e12, compute_efficiency=0.5,
             intra_node_bandwidth=300e9, intra_node_latency=5e-6,
             inter_node_bandwidth=25e9, inter_node_latency=1e-5, memory_bandwidth=2039e9,
-            source=f"{_NVIDIA} A100 (FP32 19.5 TF; TF32 dense 156 TF; HBM2e 2039 GB/s; NVLink3 "
-                   "600 GB/s bidirectional); DGX A100: one HDR 200 Gb/s HCA per GPU; " + _LAT),
+            bf16_flops=312e12,
+            source=f"{_NVIDIA} A100 SXM (FP32 19.5 TF; TF32 dense 156 TF; BF16 dense 312 TF; "
+                   "HBM2e 2039 GB/s; NVLink3 600 GB/s bidirectional); DGX A100 datasheet: "
+                   "one 200 Gb/s HDR HCA per GPU; " + _ASSUMED),
         ClusterSpec(
             name="h100-80gb", device="NVIDIA H100-SXM5-80GB", gpus_per_node=8,
             memory_bytes=80 * GiB, flops=67e12, compute_efficiency=0.5,
             intra_node_bandwidth=450e9, intra_node_latency=5e-6,
             inter_node_bandwidth=50e9, inter_node_latency=1e-5, memory_bandwidth=3.35e12,
-            source=f"{_NVIDIA} H100 SXM (FP32 67 TF; TF32 dense 495 TF; HBM3 3.35 TB/s; NVLink4 "
-                   "900 GB/s bidirectional); DGX H100: one NDR 400 Gb/s HCA per GPU; " + _LAT),
+            bf16_flops=989e12,
+            source=f"{_NVIDIA} H100 SXM (FP32 67 TF; TF32 dense 495 TF; BF16 dense 989 TF; "
+                   "HBM3 3.35 TB/s; NVLink4 900 GB/s bidirectional); DGX H100 datasheet: "
+                   "one 400 Gb/s NDR HCA per GPU; " + _ASSUMED),
         ClusterSpec(
             name="h200", device="NVIDIA H200-SXM-141GB", gpus_per_node=8,
             # 141 GB datasheet; nvidia-smi shows ~140 GiB, so round down to that
             memory_bytes=140 * GiB, flops=67e12, compute_efficiency=0.5,
             intra_node_bandwidth=450e9, intra_node_latency=5e-6,
             inter_node_bandwidth=50e9, inter_node_latency=1e-5, memory_bandwidth=4.8e12,
-            source=f"{_NVIDIA} H200 SXM (FP32 67 TF; TF32 dense 495 TF; HBM3e 4.8 TB/s; NVLink4 "
-                   "900 GB/s bidirectional); DGX H200: one NDR 400 Gb/s HCA per GPU; " + _LAT),
+            bf16_flops=989e12,
+            source=f"{_NVIDIA} H200 SXM (FP32 67 TF; TF32 dense 495 TF; BF16 dense 989 TF; "
+                   "HBM3e 4.8 TB/s; NVLink4 900 GB/s bidirectional); DGX H200 datasheet: "
+                   "one 400 Gb/s NDR HCA per GPU; " + _ASSUMED),
         ClusterSpec(
             # Ranks are processes sharing a few cores and talking through gloo; every rank is
             # on one "node" so the planner never prices a network it does not have.
@@ -127,8 +216,9 @@ CATALOG: dict[str, ClusterSpec] = {
             memory_bytes=24 * GiB, flops=50e9, compute_efficiency=0.3,
             intra_node_bandwidth=2e9, intra_node_latency=5e-5,
             inter_node_bandwidth=1.25e9, inter_node_latency=1e-4, memory_bandwidth=10e9,
-            source="rough figures for a small x86 VM: ~50 GFLOP/s fp32 AVX2 per process, "
-                   "gloo over loopback ~2 GB/s, 10 GbE between machines; profile to refine"),
+            source="assumed, not measured: rough figures for a small x86 VM (~50 GFLOP/s fp32 "
+                   "AVX2 per process, gloo over loopback ~2 GB/s, 10 GbE between machines); "
+                   "run `piper-plan profile` to measure this machine instead"),
     )
 }
 
@@ -152,7 +242,7 @@ def load_cluster(name_or_path: str) -> ClusterSpec:
 def _from_dict(data: dict, path: Path) -> ClusterSpec:
     names = [f.name for f in fields(ClusterSpec)]
     unknown = sorted(set(data) - set(names))
-    optional = {"name", "device", "source", "memory_bandwidth"}
+    optional = {f.name for f in fields(ClusterSpec) if f.name not in _REQUIRED}
     missing = [n for n in names if n not in data and n not in optional]
     if unknown or missing:
         raise PiperError(f"cluster file {path}: missing {missing}, unknown {unknown}; "
@@ -161,15 +251,32 @@ def _from_dict(data: dict, path: Path) -> ClusterSpec:
         if f in data and not isinstance(data[f], str):
             raise PiperError(f"cluster file {path}: {f} must be a string, got {data[f]!r}")
     data = {"name": path.stem, "device": "", "source": str(path)} | data
-    for f in ("flops", "compute_efficiency", "intra_node_bandwidth", "intra_node_latency",
-              "inter_node_bandwidth", "inter_node_latency", "memory_bandwidth"):
+    for f in fields(ClusterSpec):
         # TOML spells 1e9 as an integer as often as a float; both mean the same figure
-        if _number(data.get(f)):
-            data[f] = float(data[f])
+        if f.type in ("float", "float | None") and _number(data.get(f.name)):
+            data[f.name] = float(data[f.name])
+    for f in COLLECTIVE_FIELDS:
+        if f in data:
+            data[f] = _alpha_beta(data[f], f, path)
     try:
         return ClusterSpec(**data)
     except PiperError as e:
         raise PiperError(f"cluster file {path}: {e}") from None
+
+
+_REQUIRED = ("gpus_per_node", "memory_bytes", "flops", "compute_efficiency",
+             "intra_node_bandwidth", "intra_node_latency", "inter_node_bandwidth",
+             "inter_node_latency")
+
+
+def _alpha_beta(v: object, name: str, path: Path) -> AlphaBeta:
+    if not isinstance(v, dict) or set(v) != {"latency", "bandwidth"}:
+        raise PiperError(f"cluster file {path}: {name} must be a table "
+                         f"{{ latency = SECONDS, bandwidth = BYTES_PER_S }}, got {v!r}")
+    try:
+        return AlphaBeta(**{k: float(x) if _number(x) else x for k, x in v.items()})
+    except PiperError as e:
+        raise PiperError(f"cluster file {path}: {name}: {e}") from None
 
 
 def to_toml(spec: ClusterSpec) -> str:
@@ -184,6 +291,9 @@ def to_toml(spec: ClusterSpec) -> str:
 
 
 def _toml_value(v: object) -> str:
+    if isinstance(v, AlphaBeta):
+        return (f"{{ latency = {_toml_value(v.latency)}, "
+                f"bandwidth = {_toml_value(v.bandwidth)} }}")
     if isinstance(v, str):
         # TOML basic strings share JSON's escapes except \/ and \uXXXX surrogates; spell them out
         out = ['"']

@@ -1,15 +1,24 @@
-"""Communication costs: the alpha-beta model for P2P and ring all-reduce, and link choice.
+"""Communication costs: the alpha-beta model for P2P and collectives over a two-level topology.
 
 alpha is a message's fixed latency (s), beta a link's bandwidth (bytes/s). The formulas are the
-standard ones (Thakur, Rabenseifner & Gropp 2005; NCCL's ring): pure functions of numbers so
-they can be checked by hand and reused by fitted models.
+standard ones (Thakur, Rabenseifner & Gropp 2005; NCCL's ring and tree): pure functions of
+numbers so they can be checked by hand and reused by fitted models.
+
+Topology: ranks fill nodes in order (`ClusterSpec.node_of`). A group inside one node runs on
+the intra-node fabric; a group across nodes either runs flat at the pace of its slowest
+(inter-node) hop, or hierarchically — inside each node, then across nodes with one rank per
+node, then inside again — whichever is cheaper, as NCCL picks.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import math
+from collections.abc import Iterable, Sequence
 
-from cost_models.cluster import ClusterSpec
+from cost_models.cluster import AlphaBeta, ClusterSpec
+
+ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER = "all_reduce", "all_gather", "reduce_scatter"
+COLLECTIVES = (ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER)
 
 
 def p2p_time(nbytes: float, *, latency: float, bandwidth: float) -> float:
@@ -39,6 +48,24 @@ def ring_all_gather_time(nbytes: float, ranks: int, *, latency: float,
     return (p - 1) * latency + (p - 1) / p * nbytes / bandwidth
 
 
+def tree_all_reduce_time(nbytes: float, ranks: int, *, latency: float,
+                         bandwidth: float) -> float:
+    """Binomial-tree reduce then broadcast: 2 ceil(log2 p) (alpha + n / beta).
+
+    Logarithmic in latency, so it beats the ring for small messages over many ranks; the
+    ring's bandwidth term is p/(p-1) log2 p times smaller, so it wins for large ones.
+    """
+    if ranks <= 1:
+        return 0.0
+    return 2 * math.ceil(math.log2(ranks)) * (latency + nbytes / bandwidth)
+
+
+def all_reduce_time(nbytes: float, ranks: int, *, latency: float, bandwidth: float) -> float:
+    """The cheaper of ring and tree all-reduce on one kind of link."""
+    return min(ring_all_reduce_time(nbytes, ranks, latency=latency, bandwidth=bandwidth),
+               tree_all_reduce_time(nbytes, ranks, latency=latency, bandwidth=bandwidth))
+
+
 def link(cluster: ClusterSpec, ranks: Iterable[int]) -> tuple[float, float]:
     """(latency, bandwidth) of the slowest link `ranks` span: inter-node once two nodes are in.
 
@@ -49,3 +76,76 @@ def link(cluster: ClusterSpec, ranks: Iterable[int]) -> tuple[float, float]:
     if len(nodes) > 1:
         return cluster.inter_node_latency, cluster.inter_node_bandwidth
     return cluster.intra_node_latency, cluster.intra_node_bandwidth
+
+
+def layout(cluster: ClusterSpec, ranks: Iterable[int]) -> tuple[int, int]:
+    """(nodes the group spans, most group ranks on one of them)."""
+    per: dict[int, int] = {}
+    for r in ranks:
+        n = cluster.node_of(r)
+        per[n] = per.get(n, 0) + 1
+    return len(per), max(per.values(), default=0)
+
+
+def p2p_message_time(cluster: ClusterSpec, src: int, dst: int, nbytes: float) -> float:
+    """A message between two ranks: the fitted intra-node P2P figures when the cluster has
+    them and both ranks share a node, else the link the pair spans."""
+    if cluster.p2p is not None and cluster.node_of(src) == cluster.node_of(dst):
+        return p2p_time(nbytes, latency=cluster.p2p.latency, bandwidth=cluster.p2p.bandwidth)
+    lat, bw = link(cluster, (src, dst))
+    return p2p_time(nbytes, latency=lat, bandwidth=bw)
+
+
+def collective_time(kind: str, nbytes: float, group: Sequence[int],
+                    cluster: ClusterSpec) -> float:
+    """Seconds of one collective of `kind` over `group`; `nbytes` is the full tensor (the
+    all-reduced buffer, the gathered result, the scattered input)."""
+    if kind not in COLLECTIVES:
+        raise ValueError(f"unknown collective {kind!r}; known: {COLLECTIVES}")
+    p = len(group)
+    if p <= 1:
+        return 0.0
+    nodes, per_node = layout(cluster, group)
+    if nodes == 1:
+        return _on_one_link(kind, nbytes, p, *_intra(cluster, kind))
+    inter = (cluster.inter_node_latency, cluster.inter_node_bandwidth)
+    flat = _on_one_link(kind, nbytes, p, *inter)
+    if per_node <= 1:
+        return flat
+    return min(flat, _hierarchical(kind, nbytes, nodes, per_node, cluster))
+
+
+def _intra(cluster: ClusterSpec, kind: str) -> tuple[float, float, bool]:
+    """(latency, bandwidth, fitted) inside a node for `kind`."""
+    fitted: AlphaBeta | None = getattr(cluster, kind)
+    if fitted is not None:
+        return fitted.latency, fitted.bandwidth, True
+    return cluster.intra_node_latency, cluster.intra_node_bandwidth, False
+
+
+def _on_one_link(kind: str, nbytes: float, p: int, latency: float, bandwidth: float,
+                 fitted: bool = False) -> float:
+    if kind != ALL_REDUCE:
+        return ring_all_gather_time(nbytes, p, latency=latency, bandwidth=bandwidth)
+    if fitted:  # fitted with the ring's form: the backend's own algorithm choice is in it
+        return ring_all_reduce_time(nbytes, p, latency=latency, bandwidth=bandwidth)
+    return all_reduce_time(nbytes, p, latency=latency, bandwidth=bandwidth)
+
+
+def _hierarchical(kind: str, nbytes: float, nodes: int, per_node: int,
+                  cluster: ClusterSpec) -> float:
+    """Inside each node, across nodes on 1/per_node of the data, inside again.
+
+    all-reduce: reduce-scatter in node + all-reduce across + all-gather in node;
+    all-gather: all-gather across (each node's slice) + all-gather in node;
+    reduce-scatter: the mirror image.
+    """
+    across = (cluster.inter_node_latency, cluster.inter_node_bandwidth)
+    part = nbytes / per_node
+    rs_in = _on_one_link(REDUCE_SCATTER, nbytes, per_node, *_intra(cluster, REDUCE_SCATTER))
+    ag_in = _on_one_link(ALL_GATHER, nbytes, per_node, *_intra(cluster, ALL_GATHER))
+    if kind == ALL_REDUCE:
+        return rs_in + _on_one_link(ALL_REDUCE, part, nodes, *across) + ag_in
+    if kind == ALL_GATHER:
+        return _on_one_link(ALL_GATHER, part, nodes, *across) + ag_in
+    return rs_in + _on_one_link(REDUCE_SCATTER, part, nodes, *across)

@@ -6,7 +6,9 @@ Over N data-parallel replicas, ZeRO-1 shards the optimizer state (4 + 4 + 8/N), 
 the gradients (4 + 12/N), ZeRO-3 everything (16/N). ZeRO-3 adds the stage's gathered
 parameters while one of its chunks runs; ZeRO-2/3 add a microbatch's full gradient from its
 backward to its reduce-scatter. Activations of a microbatch live from the start of its
-forward to the end of its backward, which is what separates GPipe from 1F1B.
+forward to the end of its backward, which is what separates GPipe from 1F1B. They are what
+autograd saves (`cost_models.saved`); with recompute a microbatch keeps only its regions'
+inputs, and a backward rebuilds one region's saved tensors at a time.
 """
 
 from __future__ import annotations
@@ -45,21 +47,25 @@ def static_bytes(plan: Plan, costs: ModelCosts) -> tuple[int, ...]:
     return tuple(round(per * sum(params[s] for s in rp.stages)) for rp in plan.ranks)
 
 
-def activation_bytes(plan: Plan, costs: ModelCosts, microbatch_size: int) -> tuple[int, ...]:
+def activation_bytes(plan: Plan, costs: ModelCosts, microbatch_size: int,
+                     recompute: bool = False) -> tuple[int, ...]:
     """Per stage: bytes one microbatch's forward keeps for its backward."""
-    return tuple(round(costs.activation_bytes_of(rs, microbatch_size))
+    return tuple(round(costs.activation_bytes_of(rs, microbatch_size, recompute))
                  for rs in plan.stage_regions)
 
 
 def peak_memory(plan: Plan, costs: ModelCosts, microbatch_size: int,
-                spans: Iterable[Span]) -> tuple[int, ...]:
+                spans: Iterable[Span], recompute: bool = False) -> tuple[int, ...]:
     """Per rank: the highest static + live-activation total along the simulated timeline.
 
     A forward allocates when it starts and a backward frees when it ends, so the backward's
-    own working set is counted while it runs.
+    own working set is counted while it runs (under recompute: the largest region it
+    rebuilds).
     """
     static = static_bytes(plan, costs)
-    act = activation_bytes(plan, costs, microbatch_size)
+    act = activation_bytes(plan, costs, microbatch_size, recompute)
+    rebuilt = tuple(round(costs.recompute_peak_bytes_of(rs, microbatch_size)) if recompute
+                    else 0 for rs in plan.stage_regions)
     full = tuple(costs.element_size * p for p in stage_params(plan, costs))
     gathered = full if plan.zero == 3 else tuple(0 for _ in full)  # live while a chunk runs
     grad_buf = full if plan.zero >= 2 else tuple(0 for _ in full)  # from B to its RS
@@ -76,7 +82,7 @@ def peak_memory(plan: Plan, costs: ModelCosts, microbatch_size: int,
                 live += act[st]
                 peak = max(peak, live + gathered[st])
             elif s.task.kind.ends_backward:
-                peak = max(peak, live + gathered[st] + grad_buf[st])
+                peak = max(peak, live + gathered[st] + grad_buf[st] + rebuilt[st])
                 live -= act[st]
         peaks.append(peak)
     return tuple(peaks)

@@ -4,23 +4,42 @@
 
 The simulator is one more executor of the same Plan the Ray workers run: `runtime.dryrun`
 supplies the blocking semantics (RECV waits, collectives meet), this module only prices
-tasks and reads the resulting timeline. Results are cached by (plan, costs, cluster,
-microbatch size), all frozen values, so a search that revisits a strategy pays once.
+tasks and reads the resulting timeline. It keeps no cache of its own: the planner caches
+whole evaluations by a content hash of what they depend on (`planner.cache`).
 """
 
 from __future__ import annotations
 
-import functools
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
+from cost_models import contention
 from cost_models.analytical import ModelCosts, TaskCosts, task_costs
 from cost_models.cluster import ClusterSpec
 from cost_models.memory import peak_memory
-from runtime.dryrun import Span, dry_run
-from runtime.plan import COMPUTE_STREAM, Plan
+from piper.dag import Kind
+from runtime.dryrun import Span
+from runtime.plan import COMPUTE_STREAM, Plan, Task
 
 MODEL_FLOPS_PER_FORWARD = 3
 """Forward + backward (2x forward): the model FLOPs MFU counts, recompute excluded."""
+
+COMPUTE_KINDS = frozenset(k.value for k in Kind if k.is_compute)
+"""Model math, what a rank's busy time counts: `Kind` values, since a set of strings is
+faster to test than `Kind.is_compute` or a set of members (an Enum hashes in Python)."""
+
+
+@dataclass(frozen=True, slots=True)
+class StreamUsage:
+    """Seconds one logical stream of one rank spends running tasks in a step, and not.
+
+    A RECV's span is time spent waiting for the message, so it counts as idle.
+    """
+
+    rank: int
+    stream: str
+    busy_s: float
+    idle_s: float
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -33,8 +52,14 @@ class Prediction:
     tokens_per_s: float
     mfu: float
     """Model FLOPs per second over the cluster's peak (`ClusterSpec.flops` x world size)."""
+    busy_s: tuple[float, ...]
+    """Per rank: seconds its compute stream runs model math (F, B, I, W, U)."""
+    idle_s: tuple[float, ...]
+    """Per rank: the rest of the step — the rank's pipeline bubble, comm waits included."""
     bubble_fraction: float
-    """Mean over ranks of the step's share the compute stream spends not computing."""
+    """Mean over ranks of idle / step time."""
+    streams: tuple[StreamUsage, ...]
+    """Per rank and logical stream, in plan order."""
     spans: tuple[Span, ...]
 
     @property
@@ -45,25 +70,9 @@ class Prediction:
 def simulate(plan: Plan, costs: ModelCosts, cluster: ClusterSpec, microbatch_size: int, *,
              durations: TaskCosts | None = None) -> Prediction:
     """Predict one step of `plan`; `durations` replaces the analytical task costs if given."""
-    key = (plan, costs, cluster, microbatch_size, durations)
-    try:
-        hash(key)
-    except TypeError:  # a Plan that grew an unhashable field still simulates, uncached
-        return _simulate(*key)
-    return _cached(*key)
-
-
-# Small: a Prediction keeps its whole timeline, and a search mostly revisits recent strategies.
-@functools.lru_cache(maxsize=64)
-def _cached(plan: Plan, costs: ModelCosts, cluster: ClusterSpec, microbatch_size: int,
-            durations: TaskCosts | None) -> Prediction:
-    return _simulate(plan, costs, cluster, microbatch_size, durations)
-
-
-def _simulate(plan: Plan, costs: ModelCosts, cluster: ClusterSpec, microbatch_size: int,
-              durations: TaskCosts | None) -> Prediction:
     tc = durations or task_costs(plan, costs, cluster, microbatch_size)
-    spans = tuple(dry_run(plan, tc.duration, tc.transfer))
+    spans = tuple(contention.timeline(plan, per_shape(tc.duration), per_shape(tc.transfer),
+                                      cluster))
     step = max((s.end for s in spans), default=0.0)
     samples = microbatch_size * plan.microbatches * plan.dp
     model_flops = MODEL_FLOPS_PER_FORWARD * costs.forward_flops_per_sample * samples
@@ -72,28 +81,71 @@ def _simulate(plan: Plan, costs: ModelCosts, cluster: ClusterSpec, microbatch_si
         mfu = model_flops / (step * plan.world_size * cluster.flops)
     else:  # nothing costs time (e.g. a zero-cost model): report no rate rather than infinity
         tokens_per_s = mfu = 0.0
+    busy, streams = usage(plan, spans, step)
     return Prediction(
         step_time_s=step,
         peak_memory_bytes=peak_memory(plan, costs, microbatch_size, spans),
         tokens_per_s=tokens_per_s,
         mfu=mfu,
-        bubble_fraction=bubble_fraction(plan, spans, step),
+        busy_s=busy,
+        idle_s=tuple(step - b for b in busy),
+        bubble_fraction=_bubble(busy, step),
+        streams=streams,
         spans=spans,
     )
 
 
-def bubble_fraction(plan: Plan, spans: tuple[Span, ...], step_time: float) -> float:
-    """Mean over ranks of 1 - (F/B/U busy time on the compute stream) / step time.
+def per_shape(price: Callable[[int, Task], float]) -> Callable[[int, Task], float]:
+    """`price`, asked once per task shape rather than once per task.
+
+    A Plan repeats each stage's work once per microbatch, and microbatches are equal, so a
+    price may depend on the rank and on what the task does (kind, stage, group, tensors,
+    direction, peer) but not on which microbatch it serves: a step of m microbatches has
+    about m times fewer prices to compute than tasks.
+    """
+    memo: dict[tuple, float] = {}
+
+    def priced(rank: int, task: Task) -> float:
+        # `_value_`, not the member: an Enum hashes in Python, a str in C
+        key = (rank, task.kind._value_, task.stage, task.group, task.values, task.grad,
+               task.peer)
+        seconds = memo.get(key)
+        if seconds is None:
+            seconds = memo[key] = price(rank, task)
+        return seconds
+    return priced
+
+
+def usage(plan: Plan, spans: Iterable[Span], step_time: float
+          ) -> tuple[tuple[float, ...], tuple[StreamUsage, ...]]:
+    """Per rank: model-math seconds on the compute stream; per (rank, stream): busy/idle."""
+    index = {rp.rank: i for i, rp in enumerate(plan.ranks)}
+    math = [0.0] * len(plan.ranks)
+    busy = {(rp.rank, s): 0.0 for rp in plan.ranks for s, _ in rp.streams}
+    recv = Kind.RECV
+    for s in spans:
+        kind = s.task.kind
+        if kind is recv:
+            continue
+        took = s.end - s.start
+        busy[(s.rank, s.stream)] += took
+        if kind._value_ in COMPUTE_KINDS and s.stream == COMPUTE_STREAM:
+            math[index[s.rank]] += took
+    return tuple(math), tuple(StreamUsage(r, s, b, step_time - b) for (r, s), b in busy.items())
+
+
+def bubble_fraction(plan: Plan, spans: Iterable[Span], step_time: float) -> float:
+    """Mean over ranks of 1 - (F/B/I/W/U busy time on the compute stream) / step time.
 
     Waiting on a RECV or a collective counts as bubble: the device does no model math then.
     """
-    if step_time <= 0 or not plan.ranks:
+    return _bubble(usage(plan, spans, step_time)[0], step_time)
+
+
+def _bubble(busy: tuple[float, ...], step_time: float) -> float:
+    if step_time <= 0 or not busy:
         return 0.0
-    busy = {rp.rank: 0.0 for rp in plan.ranks}
-    for s in spans:
-        if s.stream == COMPUTE_STREAM and s.task.kind.is_compute:
-            busy[s.rank] += s.end - s.start
-    return sum(1 - b / step_time for b in busy.values()) / len(busy)
+    return sum(1 - b / step_time for b in busy) / len(busy)
 
 
 def predicted_json(pred: Prediction) -> dict:

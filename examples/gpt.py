@@ -6,6 +6,7 @@
 
 `--model-arg size=tiny|mini|small|1b` picks a config; the default is about 1.1B parameters.
 `--model-arg tie=true` ties the output projection to the token embedding.
+`TP_PLAN` says how `--tp` / `ShardTensor` splits each block (Megatron column/row pairs).
 """
 
 from __future__ import annotations
@@ -36,6 +37,12 @@ CONFIGS = {
     "1b": GPTConfig(vocab=50304, seq=1024, dim=2048, layers=18, heads=16),
 }
 BATCH_SIZE = 32
+TP_PLAN = {  # Megatron: attention and MLP each column- then row-parallel
+    "blocks.*.qkv": "colwise:3",
+    "blocks.*.proj": "rowwise",
+    "blocks.*.fc": "colwise",
+    "blocks.*.out": "rowwise",
+}
 _size = "1b"
 
 
@@ -51,13 +58,16 @@ class Block(nn.Module):
         self.out = nn.Linear(4 * c.dim, c.dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Written for tensor parallelism: q|k|v split with chunk and heads inferred (-1), so
+        # the same code runs on a rank holding only its share of the heads (see TP_PLAN).
         b, t, d = x.shape
-        q, k, v = self.qkv(self.ln1(x)).split(d, dim=-1)
-        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
-        att = (q @ k.transpose(-2, -1)) / math.sqrt(d // self.heads)
+        hd = d // self.heads
+        q, k, v = self.qkv(self.ln1(x)).chunk(3, dim=-1)
+        q, k, v = (z.view(b, t, -1, hd).transpose(1, 2) for z in (q, k, v))
+        att = (q @ k.transpose(-2, -1)) / math.sqrt(hd)
         mask = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
         att = att.masked_fill(~mask, float("-inf")).softmax(dim=-1)
-        y = (att @ v).transpose(1, 2).reshape(b, t, d)
+        y = (att @ v).transpose(1, 2).reshape(b, t, -1)
         x = x + self.proj(y)
         return x + self.out(F.gelu(self.fc(self.ln2(x))))
 

@@ -10,7 +10,8 @@ pure metadata the DAG, directives and cost models work on. The FX graph itself s
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 
 import torch
 import torch.fx.traceback as fx_traceback
@@ -21,6 +22,8 @@ from torch.export.graph_signature import InputKind
 from piper.annotate import TAG_KEY, counting_regions
 from piper.errors import PiperError
 from piper.model_file import ModelSpec
+from piper.moe import expert_modules
+from piper.sharding import ModelSharding
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,6 +77,9 @@ class ModelGraph:
     batch: int
     tied: tuple[tuple[str, tuple[int, ...]], ...] = ()  # params used by several regions
     tied_numel: tuple[int, ...] = ()  # element count of each tied parameter
+    linears: tuple[tuple[str, tuple[int, int]], ...] = ()  # nn.Linear modules, weight shape
+    experts: tuple[tuple[str, int, str], ...] = ()  # Experts modules: (name, count, region)
+    tp_plan: tuple[tuple[str, str], ...] = ()  # the model file's TP_PLAN
 
     def region(self, name: str) -> Region:
         for r in self.regions:
@@ -91,6 +97,18 @@ class ModelGraph:
     def names(self) -> tuple[str, ...]:
         return tuple(r.name for r in self.regions)
 
+    @property
+    def expert_regions(self) -> tuple[str, ...]:
+        """Regions holding `piper.Experts`, as `base.*` where a whole numbered family does."""
+        held = list(dict.fromkeys(r for _, _, r in self.experts))
+        out: list[str] = []
+        for r in held:
+            base = r.rpartition(".")[0]
+            family = [n for n in self.names if base and n.rpartition(".")[0] == base]
+            pattern = f"{base}.*" if family and set(family) <= set(held) else r
+            out += [pattern] if pattern not in out else []
+        return tuple(out)
+
 
 @dataclass(frozen=True)
 class Captured:
@@ -101,12 +119,23 @@ class Captured:
     node_region: dict[str, int]
 
 
-def capture(spec: ModelSpec, batch: int) -> Captured:
-    """Trace `spec`'s model on meta at microbatch size `batch`; no real memory is touched."""
+def capture(spec: ModelSpec, batch: int, sharding: ModelSharding | None = None, *,
+            prepare: Callable[[torch.nn.Module], None] | None = None) -> Captured:
+    """Trace `spec`'s model on meta at microbatch size `batch`; no real memory is touched.
+
+    With `sharding`, the model is first cut to one rank's tensor/expert-parallel slice, so
+    the graph has local shapes and the in-graph collectives (what a worker executes).
+    `prepare` may rewrite the freshly built model first (the planner keeps two of many
+    identical layers, see `planner.repeats`, because tracing time grows with op count).
+    """
     try:
         with torch.device("meta"):
             model = spec.build()
+            if prepare is not None:
+                prepare(model)
             inputs, _ = spec.batch(batch)
+            if sharding is not None:
+                sharding.apply(model, 0, 0)
     except PiperError:
         raise
     except Exception as e:  # noqa: BLE001 - user code
@@ -118,7 +147,19 @@ def capture(spec: ModelSpec, batch: int) -> Captured:
     except Exception as e:  # noqa: BLE001 - user code
         msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
         raise PiperError(f"{spec.path}: capturing the model failed: {type(e).__name__}: {msg}")
-    return _regions(ep, spec.path, batch)
+    cap = _regions(ep, spec.path, batch)
+    return replace(cap, graph=replace(cap.graph, **_modules(model, cap.graph),
+                                      tp_plan=spec.tp_plan))
+
+
+def _modules(model: torch.nn.Module, mg: ModelGraph) -> dict:
+    """The layers tensor and expert parallelism can split, for directives to check against."""
+    owner = {p: r.name for r in mg.regions for p in r.params}
+    linears = tuple((n, tuple(m.weight.shape)) for n, m in model.named_modules()
+                    if type(m) is torch.nn.Linear)
+    experts = tuple((n, m.num_experts, owner.get(f"{n}.w1", ""))
+                    for n, m in expert_modules(model).items())
+    return {"linears": linears, "experts": experts}
 
 
 def _tag(node: fx.Node) -> str | None:

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 
 import networkx as nx
 
 from piper.capture import ModelGraph, Value
 from piper.errors import PiperError
+from piper.sharding import ModelSharding
 
 
 class Kind(enum.Enum):
@@ -151,14 +153,20 @@ class TrainingDAG:
     placement: tuple[tuple[str, int, int], ...] = ()  # (region, stage, device) from Place
     ordered: tuple[int, ...] = ()  # devices an Order has constrained
     streams: tuple[tuple[str, str], ...] = ()  # task kind value -> logical stream (Stream)
+    sharding: ModelSharding = field(default_factory=ModelSharding)  # tensor / expert parallelism inside chunks
 
     @property
     def pp(self) -> int:
         return 1 + max(s.device for s in self.stages)
 
     @property
-    def world_size(self) -> int:
+    def ranks(self) -> int:
+        """Ranks the DAG's nodes run on; each is `tp` devices running the same tasks."""
         return self.pp * self.dp
+
+    @property
+    def world_size(self) -> int:
+        return self.pp * self.dp * self.sharding.tp
 
     def device_of(self, node: Node) -> int:
         return self.stages[node.stage].device
@@ -172,13 +180,18 @@ class TrainingDAG:
 
     def stage_values(self, src: int, dst: int) -> tuple[Value, ...]:
         """Tensors stage `src` sends to stage `dst` in the forward direction."""
-        of = {r: self.stage_of_region(r) for r in self.model.names}
-        names: list[str] = []
-        for f in self.model.flows:
-            a, b = self.model.regions[f.src].name, self.model.regions[f.dst].name
-            if of[a] == src and of[b] == dst:
-                names += [v for v in f.values if v not in names]
-        return tuple(self.model.value(v) for v in names)
+        key = (src, dst)
+        memo = self._stage_values
+        if key not in memo:  # asked once per P2P node: tens of thousands in a large plan
+            of = self._region_stage
+            names: list[str] = []
+            for f in self.model.flows:
+                a, b = self.model.regions[f.src].name, self.model.regions[f.dst].name
+                if of.get(a) == src and of.get(b) == dst:
+                    names += [v for v in f.values if v not in names]
+            values = {v.name: v for v in self.model.values}
+            memo[key] = tuple(values[v] for v in names)
+        return memo[key]
 
     def tie_groups(self) -> list[tuple[tuple[str, ...], tuple[int, ...]]]:
         """Tied parameters grouped by the stages that use them: [(params, stages)].
@@ -196,10 +209,20 @@ class TrainingDAG:
         return [(tuple(ps), st) for st, ps in sorted(groups.items())]
 
     def stage_of_region(self, region: str) -> int:
+        return self._region_stage[region]
+
+    @cached_property
+    def _region_stage(self) -> dict[str, int]:
+        """Region name -> stage index, built once per DAG (the first stage listing it)."""
+        out: dict[str, int] = {}
         for s in self.stages:
-            if region in s.regions:
-                return s.index
-        raise KeyError(region)
+            for r in s.regions:
+                out.setdefault(r, s.index)
+        return out
+
+    @cached_property
+    def _stage_values(self) -> dict[tuple[int, int], tuple[Value, ...]]:
+        return {}
 
     def stage_edges(self) -> list[tuple[int, int]]:
         """Forward dataflow between distinct stages."""
@@ -285,6 +308,12 @@ def verify(dag: TrainingDAG) -> None:
             recvs = [s for s in g.successors(n) if s.kind is Kind.RECV]
             if len(recvs) != 1 or dag.rank_of(recvs[0]) == dag.rank_of(n):
                 problems.append(f"{n!r} must feed exactly one RECV on another rank")
+    sh = dag.sharding
+    if dag.dp % sh.ep:
+        problems.append(f"expert parallelism ep={sh.ep} splits data-parallel replicas, so "
+                        f"it needs Replicate with a degree divisible by {sh.ep} (dp={dag.dp})")
+    if sh.ep > 1 and sh.tp > 1:
+        problems.append("tensor and expert parallelism together are not supported yet")
     updates = [n for n in g.nodes if n.kind is Kind.UPDATE]
     if len(updates) != len(dag.stages) * dag.dp:
         problems.append(f"expected {len(dag.stages) * dag.dp} updates, got {len(updates)}")

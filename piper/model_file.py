@@ -37,6 +37,7 @@ class ModelSpec:
     make_optimizer: Callable[[Any], torch.optim.Optimizer] = field(repr=False,
                                                                   default=default_optimizer)
     batch_size: int = DEFAULT_BATCH_SIZE
+    tp_plan: tuple[tuple[str, str], ...] = ()  # TP_PLAN: module glob -> tensor-parallel style
 
     def build(self) -> torch.nn.Module:
         try:
@@ -56,6 +57,20 @@ class ModelSpec:
                 raise PiperError(f"{self.path}: example_batch({batch_size}) inputs must be "
                                  f"tensors with batch dimension {batch_size} first")
         return inputs, targets
+
+
+def _tp_plan(path: str | Path, plan: Any) -> tuple[tuple[str, str], ...]:
+    from piper.tensor_parallel import parse_style
+
+    if not isinstance(plan, dict) or not all(isinstance(k, str) and isinstance(v, str)
+                                             for k, v in plan.items()):
+        raise PiperError(f"{path}: TP_PLAN must be a dict of module glob -> style string")
+    for style in plan.values():
+        try:
+            parse_style(style)
+        except ValueError as e:
+            raise PiperError(f"{path}: TP_PLAN: {e}") from None
+    return tuple(plan.items())
 
 
 def _fmt(args: tuple[tuple[str, Any], ...]) -> str:
@@ -96,6 +111,7 @@ def load_model_file(path: str | Path, model_args: tuple[tuple[str, Any], ...] = 
         raise PiperError(f"{path}: BATCH_SIZE must be a positive int, got {batch_size!r}")
     return ModelSpec(
         path=str(path),
+        tp_plan=_tp_plan(path, getattr(module, "TP_PLAN", {})),
         model_args=model_args,
         build_model=module.build_model,
         example_batch=module.example_batch,

@@ -14,11 +14,14 @@ from piper.directives import (
     Order,
     Place,
     Replicate,
+    Shard,
+    ShardTensor,
     Split,
     SplitBackward,
     Stream,
     from_dict,
 )
+from piper.directives.order import apply_orders
 from piper.errors import DirectiveError, PiperError
 from piper.pyfile import import_user_file
 
@@ -43,12 +46,20 @@ class Program:
     def apply(self, dag: TrainingDAG) -> TrainingDAG:
         """Apply every directive in turn, then check the result with `verify`."""
         phase = 0
+        orders: list[tuple[int, Order]] = []  # a run of Orders is applied as one rewrite
         for i, d in enumerate(self.directives):
             if d.phase < phase:
                 raise DirectiveError(i, d, "directives go in the order Place, Split, "
-                                     "SplitBackward, Replicate, Order/Stream")
+                                     "SplitBackward, Replicate/Shard/ShardTensor, Order/Stream")
             phase = d.phase
+            if isinstance(d, Order):
+                orders.append((i, d))
+                continue
+            if orders:
+                dag, orders = apply_orders(dag, orders), []
             dag = d.apply(dag, i)
+        if orders:
+            dag = apply_orders(dag, orders)
         placed = {r for r, _, _ in dag.placement}
         if placed and placed != set(dag.model.names):
             missing = [r for r in dag.model.names if r not in placed]
@@ -67,8 +78,8 @@ class Program:
         return {
             "dp": rep[0].degree if rep else 1,
             "pp": pp,
-            "tp": 1,
-            "ep": 1,
+            "tp": next((d.degree for d in self.directives if isinstance(d, ShardTensor)), 1),
+            "ep": next((d.degree for d in self.directives if isinstance(d, Shard)), 1),
             "zero": rep[0].zero if rep else 0,
             "schedule": self.name,
             "virtual_stages": max(1, len(stages) // pp),
@@ -124,4 +135,5 @@ class Program:
         return prog
 
 
-__all__ = ["Order", "Place", "Program", "Replicate", "Split", "SplitBackward", "Stream"]
+__all__ = ["Order", "Place", "Program", "Replicate", "Shard", "ShardTensor", "Split",
+           "SplitBackward", "Stream"]

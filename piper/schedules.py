@@ -10,7 +10,16 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from piper.directives import Directive, Order, Place, Replicate, Split, SplitBackward
+from piper.directives import (
+    Directive,
+    Order,
+    Place,
+    Replicate,
+    Shard,
+    ShardTensor,
+    Split,
+    SplitBackward,
+)
 from piper.program import Program
 
 
@@ -115,9 +124,11 @@ def interleaved_1f1b(stages: Sequence[Sequence[str]], *, microbatches: int, dp: 
 
 def zb1p_order(stage: int, pp: int, microbatches: int) -> list[str]:
     """ZB-H1 on one device: 1F1B with each backward split into I then W, and W of
-    microbatch i run right after I of microbatch i + lag (lag = pp - stage - 1), so during the
-    cool-down, when 1F1B would wait for gradients, this device computes weight gradients."""
-    lag = pp - stage - 1
+    microbatch i run right after I of microbatch i + lag (lag = stage). Later stages put
+    off more weight gradients, so the input gradients that every earlier stage waits for
+    leave sooner, and the held-back W fill the cool-down that 1F1B leaves idle; each stage
+    still holds at most pp microbatches, 1F1B's memory."""
+    lag = stage
     order: list[str] = []
     for task in one_f_one_b_order(stage, pp, microbatches):
         if task[0] == "B":
@@ -239,3 +250,17 @@ def build(schedule: str, stages: Sequence[Sequence[str]], *, microbatches: int,
     if schedule not in SCHEDULES:
         raise KeyError(f"unknown schedule {schedule!r}; known: {', '.join(SCHEDULES)}")
     return SCHEDULES[schedule](stages, microbatches=microbatches, dp=dp, pp=pp, zero=zero)
+
+
+def shard(program: Program, *, tp: int = 1, ep: int = 1,
+          expert_regions: Sequence[str] = ()) -> Program:
+    """`program` with tensor (ShardTensor) and expert (Shard) parallelism added, in the
+    phase they belong to (after Replicate, before Order)."""
+    extra: list[Directive] = []
+    if tp > 1:
+        extra.append(ShardTensor(tp))
+    if ep > 1:
+        extra.append(Shard(tuple(expert_regions), degree=ep))
+    ds = list(program.directives)
+    at = next((i for i, d in enumerate(ds) if d.phase > ShardTensor.phase), len(ds))
+    return Program([*ds[:at], *extra, *ds[at:]], name=program.name)

@@ -7,16 +7,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
-import time
-from pathlib import Path
 from typing import Any, NoReturn
 
 from piper.errors import PiperError
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_RUNTIME = 0, 1, 2, 3
 DEFAULT_CLUSTER = "h100-80gb"
+MAX_GPUS = 2**17  # beyond the largest clusters built; a bound that keeps typos from hanging
 
 
 class _Parser(argparse.ArgumentParser):
@@ -29,6 +29,7 @@ def log(msg: str) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from planner.samplers import SAMPLERS
     from planner.strategy import add_shorthand_flags
 
     p = _Parser(prog="piper-plan", description="Search, simulate and run distributed "
@@ -48,13 +49,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = model_cmd("search", "search for the best strategy")
     s.add_argument("--cluster", help=f"catalog name or TOML file (default {DEFAULT_CLUSTER})")
-    s.add_argument("--trials", type=int, default=64)
+    s.add_argument("--trials", type=int, default=64, help="trials to add to the study")
     s.add_argument("--timeout", type=float, help="stop asking for trials after S seconds")
-    s.add_argument("--sampler", default="tpe", choices=["tpe", "grid"])
-    s.add_argument("--backend", default="optuna", choices=["optuna"])
+    s.add_argument("--sampler", default="tpe", choices=list(SAMPLERS),
+                   help="tpe (default), gp, nsga2, or grid: every valid point once")
+    s.add_argument("--backend", default="optuna", choices=["optuna", "ray"],
+                   help="optuna: trials in this process; ray: trials spread by Ray Tune")
+    s.add_argument("--address", help="Ray cluster to join (--backend ray, --measure)")
     s.add_argument("--storage", help="Optuna storage URL (default sqlite:///OUT/study.db)")
     s.add_argument("--study-name", default="piper-plan")
-    s.add_argument("--device", choices=["cpu", "cuda"])
+    s.add_argument("--measure", type=int, default=0, metavar="K",
+                   help="run the K best predicted strategies for real and re-rank them")
+    s.add_argument("--device", choices=["cpu", "cuda"], help="where --measure runs")
     s.add_argument("--out", default="piper_plan_out", help="output folder")
 
     r = model_cmd("run", "train a strategy for real on Ray workers")
@@ -74,18 +80,42 @@ def build_parser() -> argparse.ArgumentParser:
     add_shorthand_flags(m)
     m.add_argument("--cluster", help=f"catalog name or TOML file (default {DEFAULT_CLUSTER})")
     m.add_argument("--trace", help="write the predicted timeline as a Perfetto trace")
+    m.add_argument("--timeline", metavar="PNG",
+                   help="write the predicted timeline as a per-rank, per-stream Gantt chart")
+
+    f = model_cmd("profile", "measure this machine and write a cluster spec (TOML)")
+    f.add_argument("--device", choices=["cpu", "cuda"])
+    f.add_argument("--out", required=True, metavar="CLUSTER.toml",
+                   help="cluster spec to write; pass it to search/simulate as --cluster")
+
+    w = sub.add_parser("show", help="list a search's trials, best and Pareto front")
+    w.add_argument("storage", help="Optuna storage URL, .db file, or a search's --out folder")
+    w.add_argument("--study-name", default="piper-plan")
+    w.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+
+    x = sub.add_parser("export", help="write one trial's strategy (default: the best)")
+    x.add_argument("storage", help="Optuna storage URL, .db file, or a search's --out folder")
+    x.add_argument("--study-name", default="piper-plan")
+    x.add_argument("--trial", type=int, help="trial number (default: the best)")
+    x.add_argument("--out", required=True, metavar="FILE",
+                   help="strategy to write: .py (script) or .json")
 
     sub.add_parser("clusters", help="list the built-in cluster catalog")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
+    args = None
+    # torch logs a traceback of its own when a model fails under fake tensors; the one
+    # `error:` line below says it all
+    logging.getLogger("torch._subclasses.fake_tensor").setLevel(logging.CRITICAL)
     try:
         args = build_parser().parse_args(argv)
         return {"search": cmd_search, "run": cmd_run, "simulate": cmd_simulate,
-                "clusters": cmd_clusters}[args.command](args)
+                "clusters": cmd_clusters, "profile": cmd_profile, "show": cmd_show,
+                "export": cmd_export}[args.command](args)
     except PiperError as e:
-        print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
+        print(f"error: {_in_file(args, e)}{' '.join(str(e).split())}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except KeyboardInterrupt:
         print("error: interrupted", file=sys.stderr)
@@ -98,12 +128,28 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_RUNTIME
 
 
+def _in_file(args: argparse.Namespace | None, e: PiperError) -> str:
+    """A directive's error happens when the Program is applied, after its file was read:
+    name the file, so the message says where as well as which directive."""
+    from piper.errors import DirectiveError
+
+    path = getattr(args, "strategy", None)
+    if isinstance(e, DirectiveError) and path and not str(e).startswith(path):
+        return f"{path}: "
+    return ""
+
+
 # ---- shared --------------------------------------------------------------------------------
 def _spec(args: argparse.Namespace) -> Any:
     from piper.model_file import load_model_file, parse_model_args
 
     if args.gpus < 1:
         raise PiperError(f"--gpus must be >= 1, got {args.gpus}")
+    if args.gpus > MAX_GPUS:
+        raise PiperError(f"--gpus {args.gpus} is more than {MAX_GPUS:,}, the largest "
+                         "cluster piper-plan plans for")
+    if getattr(args, "timeout", None) is not None and not args.timeout > 0:
+        raise PiperError(f"--timeout must be > 0 seconds, got {args.timeout}")
     spec = load_model_file(args.model, parse_model_args(args.model_arg))
     if args.batch_size is not None and args.batch_size < 1:
         raise PiperError(f"--batch-size must be >= 1, got {args.batch_size}")
@@ -128,11 +174,25 @@ def _program(args: argparse.Namespace, ev: Any) -> Any:
     from planner.strategy import shorthand_program
 
     if args.strategy:
-        shorthand = [f for f in ("pp", "dp", "schedule", "microbatches") if getattr(args, f)]
+        shorthand = [f for f in ("pp", "dp", "tp", "ep", "schedule", "microbatches")
+                     if getattr(args, f)]
         if shorthand:
             raise PiperError(f"--strategy and --{shorthand[0]} are mutually exclusive")
-        return Program.load(args.strategy)
-    return shorthand_program(args, args.gpus, ev.captured.graph.names, ev.region_costs())
+        return _within_node(Program.load(args.strategy), ev.cluster, args.strategy)
+    graph = ev.captured.graph
+    return _within_node(shorthand_program(args, args.gpus, graph.names, ev.region_costs(),
+                                          graph.expert_regions), ev.cluster, None)
+
+
+def _within_node(program: Any, cluster: Any, path: str | None) -> Any:
+    """Tensor parallelism talks at every layer: a TP group spanning nodes is a mistake."""
+    tp = program.summary()["tp"]
+    if tp > cluster.gpus_per_node:
+        what = f"{path}: tensor-parallel degree {tp}" if path else f"--tp {tp}"
+        raise PiperError(f"{what} is larger than a node of cluster {cluster.name} "
+                         f"({cluster.gpus_per_node} devices); tensor parallelism must stay "
+                         "within a node")
+    return program
 
 
 def _device(args: argparse.Namespace) -> str:
@@ -148,6 +208,32 @@ def _emit(obj: dict[str, Any]) -> None:
 
 
 # ---- commands ------------------------------------------------------------------------------
+def cmd_profile(args: argparse.Namespace) -> int:
+    from planner.profile import check_request, profile
+    from runtime.launcher import RuntimeFailure
+
+    spec = _spec(args)
+    device = _device(args)
+    check_request(args.out, args.gpus)
+    if not args.json:
+        log(f"profiling {args.gpus} {device} ranks (chunks, matmuls, optimizer, collectives)")
+    try:
+        res = profile(spec, gpus=args.gpus, device=device, batch=_batch(args, spec),
+                      out=args.out)
+    except RuntimeFailure as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_RUNTIME
+    fit = dict(res.report.errors)
+    log(f"wrote {res.path} in {res.seconds:.1f} s; fit errors (mean abs %): "
+        f"{res.report.line()}")
+    if args.json:
+        from dataclasses import asdict
+
+        _emit({"cluster_file": str(res.path), "cluster": asdict(res.cluster),
+               "fit_error_percent": fit, "profile_time_s": res.seconds})
+    return EXIT_OK
+
+
 def cmd_clusters(args: argparse.Namespace) -> int:
     from cost_models import CATALOG
 
@@ -170,6 +256,11 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     pred = predicted_json(result.prediction)
     if args.trace:
         write_trace(result.prediction.spans, args.trace)
+    if args.timeline:
+        from planner.plots import write_timeline
+
+        write_timeline(result.prediction.spans, args.timeline,
+                       title=f"{summary_line(result.summary)} on {cluster.name}")
     if args.json:
         _emit({"predicted": pred, "summary": result.summary})
     else:
@@ -177,63 +268,49 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         print(f"predicted: {predicted_line(pred)}")
         print(f"           step time {pred['step_time_s']!r} s, bubble "
               f"{result.prediction.bubble_fraction * 100:.1f}%")
+        print("\n".join(_usage_lines(result.prediction)))
     return EXIT_OK
 
 
+def _usage_lines(pred: Any, most: int = 16) -> list[str]:
+    """Per rank: model math and idle time of the compute stream, and each stream's busy time."""
+    unit, scale = ("ms", 1e3) if pred.step_time_s >= 1e-3 else ("µs", 1e6)
+    lines = []
+    for r, (busy, idle) in enumerate(zip(pred.busy_s, pred.idle_s, strict=True)):
+        if r == most:
+            lines.append(f"           ... {len(pred.busy_s) - most} more ranks (see --trace)")
+            break
+        streams = ", ".join(f"{u.stream} {u.busy_s * scale:.3f}" for u in pred.streams
+                            if u.rank == r)
+        lines.append(f"           rank {r}: math {busy * scale:.3f} {unit}, idle "
+                     f"{idle * scale:.3f} {unit}; busy streams: {streams} {unit}")
+    return lines
+
+
 def cmd_search(args: argparse.Namespace) -> int:
-    from cost_models import predicted_json  # noqa: F401 - fail early if cost models are broken
-    from planner.evaluate import Evaluator
-    from planner.export import write_outputs
-    from planner.report import predicted_line, results_table, summary_line
-    from planner.search import run_search
-    from search_spaces import PipelineSpace
-    from search_spaces.pipeline import ALL_SCHEDULES
+    from planner.search_cmd import search
 
-    spec = _spec(args)
-    if args.trials < 1:
-        raise PiperError(f"--trials must be >= 1, got {args.trials}")
-    cluster, cluster_name = _cluster(args, announce=True)
-    batch = _batch(args, spec)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    storage = args.storage or f"sqlite:///{(out / 'study.db').resolve()}"
-    t0 = time.perf_counter()
-    ev = Evaluator(spec, args.gpus, batch, cluster)
-    log(f"captured {spec.path}: {len(ev.captured.graph.regions)} regions, "
-        f"{sum(r.param_numel for r in ev.captured.graph.regions) / 1e6:,.1f}M parameters")
-    space = PipelineSpace(ev.captured.graph.names, ev.region_costs(), args.gpus, batch,
-                          schedules=ALL_SCHEDULES, zeros=(0, 1, 2, 3))
-    result = run_search(ev, space, trials=args.trials, timeout=args.timeout,
-                        sampler=args.sampler, storage=storage, study_name=args.study_name,
-                        seed=args.seed, progress=not args.json)
-    files = write_outputs(out, spec, cluster_name, args.gpus, batch, result)
-    log(results_table(result.records))
-    total = time.perf_counter() - t0
-    if result.best is None:
-        log(f"no feasible strategy among {result.trials} trials (memory limit "
-            f"{cluster.memory_bytes / 1024**3:.0f} GiB per device)")
-        if args.json:
-            _emit({"best": None, "trials": result.trials, "feasible_trials": 0,
-                   "search_time_s": total, "pareto": []})
-        return EXIT_FAILED
-    b = result.best
-    log(f"best: {summary_line(b.summary)}\n      {predicted_line(b.predicted)}\n"
-        f"wrote {files['strategy_file']} and {files['strategy_json']} ({total:.1f} s)")
+    return search(args)
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    from planner.studies import load, show_json, show_text
+
+    study = load(args.storage, args.study_name)
     if args.json:
-        from planner.report import pareto
-
-        _emit({
-            "best": {"strategy_file": str(files["strategy_file"]),
-                     "program": json.loads(b.program.to_json()),
-                     "summary": b.summary, "predicted": b.predicted},
-            "trials": result.trials,
-            "feasible_trials": result.feasible_trials,
-            "search_time_s": total,
-            "pareto": [{"trial": r.number, "summary": r.summary, "predicted": r.predicted}
-                       for r in pareto(result.records)],
-        })
+        _emit(show_json(study))
     else:
-        print(b.program.to_python([f"best of {result.trials} trials: {summary_line(b.summary)}"]))
+        print(show_text(study))
+    return EXIT_OK
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from planner.report import predicted_line, summary_line
+    from planner.studies import export, load
+
+    path, rec = export(load(args.storage, args.study_name), args.trial, args.out)
+    log(f"wrote {path}: trial {rec.number}: {summary_line(rec.summary)}\n"
+        f"      {predicted_line(rec.predicted)}")
     return EXIT_OK
 
 
@@ -242,13 +319,14 @@ def cmd_run(args: argparse.Namespace) -> int:
     from planner.evaluate import Evaluator
     from planner.report import summary_line
     from planner.trace import write_trace
-    from runtime.launcher import RuntimeFailure, lower, run
+    from runtime.launcher import RuntimeFailure, check_workers, lower, run
     from runtime.reference import max_rel_diff, reference_losses
 
     spec = _spec(args)
     if args.steps < 1:
         raise PiperError(f"--steps must be >= 1, got {args.steps}")
     device = _device(args)
+    check_workers(args.gpus, device, args.address)
     batch = _batch(args, spec)
     ev = Evaluator(spec, args.gpus, batch, CATALOG["cpu"])
     program = _program(args, ev)

@@ -2,18 +2,27 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
-from cost_models import ClusterSpec, ModelCosts, Prediction, model_costs, simulate
-from piper.capture import Captured, capture
+from cost_models import ClusterSpec, ModelCosts, Prediction, simulate
+from cost_models.analytical import task_costs
+from cost_models.sharded import InGraphComm, with_in_graph_comm
+from piper.capture import ModelGraph
 from piper.dag import TrainingDAG, single_device_dag
-from piper.model_file import ModelSpec
+from piper.directives import Order, Split, SplitBackward, Stream
+from piper.errors import PiperError
+from piper.model_file import ModelSpec, load_model_file
 from piper.program import Program
+from piper.sharding import ModelSharding
+from planner.cache import EvaluationCache, evaluation_key
+from planner.memory_bound import device_peaks
+from planner.repeats import PlanningCapture, planning_capture
 from runtime.launcher import apply_for, program_microbatch_size
 from runtime.plan import Plan
 from runtime.scheduler import schedule
+from search_spaces.base import Infeasible
 
 CAPTURE_BATCH = 1  # costs scale linearly with samples, so one capture serves every microbatch
 
@@ -38,24 +47,92 @@ class Evaluator:
     gpus: int
     batch_size: int
     cluster: ClusterSpec
+    cache: EvaluationCache[Evaluation] = field(default_factory=EvaluationCache)
+    """Shared between evaluators to reuse results across clusters or searches: keys say
+    everything a result depends on."""
+    fold: bool = True
+    """Trace two copies of each repeated layer and grow the rest (`planner.repeats`): the
+    same graph and costs, a fraction of the capture time."""
+    _sharded: dict[ModelSharding, tuple[ModelCosts, InGraphComm]] = field(
+        default_factory=dict, repr=False)
 
     @cached_property
-    def captured(self) -> Captured:
-        return capture(self.spec, CAPTURE_BATCH)
+    def captured(self) -> PlanningCapture:
+        return planning_capture(self.spec, CAPTURE_BATCH, fold=self.fold)
 
-    @cached_property
+    @property
+    def graph(self) -> ModelGraph:
+        return self.captured.graph
+
+    @property
     def costs(self) -> ModelCosts:
-        return model_costs(self.captured)
+        return self.captured.costs
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled for Ray workers: the model file travels as its path (functions from a
+        file imported by path do not pickle), captures and sharded costs as data."""
+        state = dict(self.__dict__)
+        state["spec"] = (self.spec.path, self.spec.model_args)
+        state["cache"] = EvaluationCache()  # results stay where they were computed
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        path, args = state["spec"]
+        self.__dict__.update(state, spec=load_model_file(path, args))
 
     @cached_property
     def dag(self) -> TrainingDAG:
         return single_device_dag(self.captured.graph)
 
+    def sharded_costs(self, sharding: ModelSharding) -> tuple[ModelCosts, InGraphComm]:
+        """Costs of one rank's tensor/expert-parallel slice (captured once per sharding)."""
+        if sharding not in self._sharded:
+            try:
+                cap = planning_capture(self.spec, CAPTURE_BATCH, sharding, fold=self.fold)
+            except PiperError as e:  # a one-line input error, as `capture_sharded` says it
+                raise Infeasible(f"{sharding.describe()}: the model does not run split this "
+                                 f"way (e.g. heads not divisible by tp): {e}") from None
+            assert cap.traffic is not None
+            self._sharded[sharding] = (cap.costs, cap.traffic)
+        return self._sharded[sharding]
+
     def region_costs(self) -> tuple[float, ...]:
         return tuple(float(self.costs.forward_flops_of([r], 1)) or 1.0
                      for r in self.captured.graph.names)
 
+    def skeleton(self, program: Program) -> TrainingDAG:
+        """`program` applied without its microbatches and orders: the stages, replicas and
+        sharding it sets, at a small fraction of the cost of the whole DAG."""
+        kept = [d for d in program.directives
+                if not isinstance(d, (Split, SplitBackward, Order, Stream))]
+        return apply_for(Program(kept, name=program.name), self.dag, self.gpus)
+
+    def peak_memory_bound(self, program: Program) -> int:
+        """Most bytes any rank of `program` holds, from its directives without scheduling or
+        simulating (`planner.memory_bound`): never above the simulated peak."""
+        dag = self.skeleton(program)
+        costs = self.costs if dag.sharding.trivial else self.sharded_costs(dag.sharding)[0]
+        return max(device_peaks(
+            [s.regions for s in dag.stages], [s.device for s in dag.stages],
+            [d for d in program.directives if isinstance(d, Order)], dp=dag.dp, zero=dag.zero,
+            costs=costs, microbatch_size=program_microbatch_size(program, self.batch_size)))
+
     def evaluate(self, program: Program) -> Evaluation:
+        """Apply, schedule and simulate `program`, or return the cached result for its key."""
         mb = program_microbatch_size(program, self.batch_size)
+        key = evaluation_key(program, self.captured.graph, self.costs, self.cluster, mb,
+                             self.gpus)
+        hit = self.cache.get(key)
+        if hit is not None:
+            return hit
         plan = schedule(apply_for(program, self.dag, self.gpus))
-        return Evaluation(program, plan, simulate(plan, self.costs, self.cluster, mb), mb)
+        if plan.sharding.trivial:
+            pred = simulate(plan, self.costs, self.cluster, mb)
+        else:  # the rank's slice of the math, plus the collectives inside its chunks
+            costs, traffic = self.sharded_costs(plan.sharding)
+            durations = with_in_graph_comm(task_costs(plan, costs, self.cluster, mb), plan,
+                                           traffic, self.cluster, mb)
+            pred = simulate(plan, costs, self.cluster, mb, durations=durations)
+        ev = Evaluation(program, plan, pred, mb)
+        self.cache.put(key, ev)
+        return ev

@@ -1,4 +1,5 @@
-"""Write a search's outputs: best_strategy.py / .json, trials.csv, summary.txt."""
+"""Write a search's outputs: best_strategy.py / .json, trials.csv, summary.txt, and the best
+plan's figures (timeline.png, trace.json) with the trials' pareto.png."""
 
 from __future__ import annotations
 
@@ -6,10 +7,14 @@ import csv
 import shlex
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from piper.model_file import ModelSpec
 from planner.report import predicted_line, results_table, summary_line
 from planner.search import SearchResult, TrialRecord
+
+if TYPE_CHECKING:
+    from planner.evaluate import Evaluation
 
 
 def strategy_header(spec: ModelSpec, cluster: str, gpus: int, batch_size: int,
@@ -56,4 +61,23 @@ def write_outputs(out: Path, spec: ModelSpec, cluster: str, gpus: int, batch_siz
         f"{result.trials} trials, {result.feasible_trials} feasible, "
         f"{result.search_time_s:.1f} s\n\n{results_table(result.records)}\n")
     files.update(trials=trials, summary=summary)
+    return files
+
+
+def write_figures(out: Path, best: Evaluation, result: SearchResult, *,
+                  memory_limit_bytes: int | None = None) -> dict[str, Path]:
+    """timeline.png and trace.json of the best plan's simulated step; pareto.png of all
+    feasible trials. Plotting imports matplotlib, so only a search that found a best pays."""
+    from planner.plots import write_pareto, write_timeline
+    from planner.trace import write_trace
+
+    out.mkdir(parents=True, exist_ok=True)
+    files = {"timeline": out / "timeline.png", "pareto": out / "pareto.png",
+             "trace": out / "trace.json"}
+    spans = best.prediction.spans
+    write_timeline(spans, files["timeline"],
+                   title=f"best strategy: {summary_line(best.summary)} "
+                         f"(bubble {best.prediction.bubble_fraction * 100:.1f}%)")
+    write_trace(spans, files["trace"])
+    write_pareto(result.records, files["pareto"], memory_limit_bytes=memory_limit_bytes)
     return files

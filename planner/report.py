@@ -56,6 +56,10 @@ def pareto(records: Sequence[TrialRecord]) -> list[TrialRecord]:
     def key(r: TrialRecord) -> tuple[float, float]:
         return r.predicted["step_time_s"], max(r.predicted["peak_memory_bytes"])
 
-    front = [r for r in pts if not any(key(o) <= key(r) and key(o) != key(r) for o in pts)]
+    def beats(o: TrialRecord, r: TrialRecord) -> bool:  # no worse on both, better on one
+        (ot, om), (rt, rm) = key(o), key(r)
+        return ot <= rt and om <= rm and (ot, om) != (rt, rm)
+
+    front = [r for r in pts if not any(beats(o, r) for o in pts)]
     unique = {key(r): r for r in sorted(front, key=lambda r: -r.number)}
     return sorted(unique.values(), key=key)

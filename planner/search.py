@@ -1,94 +1,173 @@
-"""The search loop: an Optuna study (SQLite) over a SearchSpace, scored by simulation."""
+"""The search loop: an Optuna study (SQLite) over a SearchSpace, scored by simulation.
+
+Two objectives, both minimised: predicted step time and peak memory (max over ranks), with
+"fits the device" as a constraint (`trial.set_constraint`) that every sampler reads. The best
+strategy is the fastest that fits; the fits-and-not-dominated trials are the Pareto front.
+A point that cannot fit by the memory formulas alone (`Evaluator.peak_memory_bound`) is
+pruned before it is scheduled or simulated, which on large models is most of them.
+
+Nothing is lost to a fault: a trial that raises (a bug, MemoryError) is recorded as failed with
+its reason (user attr `fail_reason`) and the search goes on; a search killed outright is
+resumed by the same command: the study in the same storage keeps every finished trial, and
+`trials` more are added to it.
+"""
 
 from __future__ import annotations
 
+import itertools
 import json
+import sys
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
 import optuna
 
 from cost_models import predicted_json
-from piper.program import Program
-from planner.evaluate import Evaluation, Evaluator
+from piper.errors import PiperError
+from planner.evaluate import Evaluator
+from planner.records import (
+    OBJECTIVES,
+    SearchResult,
+    TrialRecord,
+    open_study,
+    result_of,
+)
+from planner.samplers import SAMPLERS, PointsSampler, make_sampler
 from search_spaces import Infeasible, SearchSpace
 
-SAMPLERS = ("tpe", "grid")
+__all__ = ["OBJECTIVES", "SAMPLERS", "SearchResult", "TrialRecord", "run_search", "score"]
+
+HEARTBEAT_S = 10  # a RUNNING trial silent for twice this long was killed: it is marked failed
+GIB = 1024**3
+
+
+class DoesNotFit(Infeasible):
+    """The point's memory, by formula alone, exceeds the device."""
 
 
 @dataclass(frozen=True)
-class TrialRecord:
-    """One finished trial as the reports see it."""
+class Scored:
+    """What a trial stores: plain JSON values, so both backends can ship and save them."""
 
-    number: int
+    point: dict[str, Any]
     summary: dict[str, Any]
-    program: Program
+    program: dict[str, Any]
     predicted: dict[str, Any]
-    feasible: bool
+
+    @property
+    def values(self) -> tuple[float, float]:
+        return (self.predicted["step_time_s"], float(max(self.predicted["peak_memory_bytes"])))
 
 
-@dataclass(frozen=True)
-class SearchResult:
-    best: TrialRecord | None
-    trials: int
-    feasible_trials: int
-    search_time_s: float
-    records: tuple[TrialRecord, ...]
-
-
-def make_sampler(name: str, space: SearchSpace, seed: int | None) -> optuna.samplers.BaseSampler:
-    if name == "tpe":
-        return optuna.samplers.TPESampler(seed=seed)  # reads trial.set_constraint
-    if name == "grid":
-        return optuna.samplers.GridSampler(dict(space.grid()), seed=seed)
-    raise ValueError(f"unknown sampler {name!r}; known: {', '.join(SAMPLERS)}")
+def score(evaluator: Evaluator, space: SearchSpace, point: dict[str, Any]) -> Scored:
+    """Simulate the Program of `point`; `Infeasible` (`DoesNotFit`) for a point that breaks a
+    rule (cannot fit the device) — both are cheap to find out."""
+    program = space.program(**point)
+    capacity = evaluator.cluster.memory_bytes
+    bound = evaluator.peak_memory_bound(program)
+    if bound > capacity:
+        raise DoesNotFit(f"needs {bound / GIB:.1f} GiB on some rank (memory formulas), more "
+                         f"than the device's {capacity / GIB:.0f} GiB")
+    ev = evaluator.evaluate(program)
+    return Scored(dict(point), ev.summary, json.loads(ev.program.to_json()),
+                  predicted_json(ev.prediction))
 
 
 def run_search(evaluator: Evaluator, space: SearchSpace, *, trials: int, timeout: float | None,
                sampler: str, storage: str, study_name: str, seed: int | None,
                progress: bool = True) -> SearchResult:
-    """Ask the sampler for `trials` points (or until `timeout`), score each by simulation."""
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
-    study = optuna.create_study(storage=storage, study_name=study_name, direction="minimize",
-                                sampler=make_sampler(sampler, space, seed), load_if_exists=True)
+    """Add `trials` trials to the study (or stop at `timeout`), scoring each by simulation; a
+    study already in `storage` is resumed, not restarted."""
+    optuna.logging.set_verbosity(optuna.logging.ERROR)  # failed trials: our one line, below
+    _check_not_empty(space)
+    study = open_study(_storage(storage), study_name, create=True)
+    describe(study, evaluator)
+    earlier = len(study.trials)
+    # a resumed TPE must not replay the first run's random start from the same seed
+    study.sampler = make_sampler(sampler, space, None if seed is None else seed + earlier,
+                                 trials)
     capacity = evaluator.cluster.memory_bytes
     start = time.perf_counter()
-    if sampler == "grid":
-        trials = min(trials, _grid_size(space))
+    if isinstance(study.sampler, PointsSampler):
+        trials = min(trials, len(study.sampler))
+    if earlier:
+        finished = sum(t.state.is_finished() for t in study.trials)
+        print(f"resuming study {study_name!r}: {finished} finished trials kept, {trials} more",
+              file=sys.stderr, flush=True)
+    grid = space.grid() if sampler == "grid" else None
 
-    def objective(trial: optuna.Trial) -> float:
+    def objective(trial: optuna.Trial) -> tuple[float, float]:
         try:
-            ev: Evaluation = evaluator.evaluate(space.suggest(trial))
+            point = ({k: trial.suggest_categorical(k, list(v)) for k, v in grid.items()}
+                     if grid is not None else space.sample(trial))
+            trial.set_user_attr("point", point)
+            s = score(evaluator, space, point)
         except Infeasible as e:
             trial.set_user_attr("pruned_reason", str(e))
             raise optuna.TrialPruned(str(e)) from None
-        pred = predicted_json(ev.prediction)
-        trial.set_user_attr("summary", ev.summary)
-        trial.set_user_attr("program", json.loads(ev.program.to_json()))
-        trial.set_user_attr("predicted", pred)
-        trial.set_constraint("memory", float(max(pred["peak_memory_bytes"]) - capacity))
-        return ev.prediction.step_time_s
+        except Exception as e:  # MemoryError too: record why, and go on with the next trial
+            lines = str(e).strip().splitlines()
+            reason = f"{type(e).__name__}: {lines[0] if lines else ''}".rstrip(": ")
+            trial.set_user_attr("fail_reason", reason)
+            print(f"trial {trial.number} failed: {reason} (recorded in the study; the search "
+                  "goes on)", file=sys.stderr, flush=True)
+            raise
+        store(trial, s, capacity)
+        return s.values
 
-    # optimize() rather than ask/tell: GridSampler stops the study from inside its callback.
-    study.optimize(objective, n_trials=trials, timeout=timeout, show_progress_bar=progress)
-    records = tuple(_record(t) for t in study.trials
-                    if t.state == optuna.trial.TrialState.COMPLETE and "program" in t.user_attrs)
-    feasible = [r for r in records if r.feasible]
-    best = min(feasible, key=lambda r: r.predicted["step_time_s"], default=None)
-    return SearchResult(best, len(records), len(feasible), time.perf_counter() - start, records)
-
-
-def _record(t: optuna.trial.FrozenTrial) -> TrialRecord:
-    prog = Program.from_json(json.dumps(t.user_attrs["program"]))
-    return TrialRecord(t.number, t.user_attrs["summary"], prog, t.user_attrs["predicted"],
-                       all(c <= 0 for c in t.constraints.values()))
+    # optimize() rather than ask/tell: the grid sampler stops the study from its callback.
+    study.optimize(objective, n_trials=trials, timeout=timeout, catch=(Exception,),
+                   show_progress_bar=progress)
+    return result_of(study, time.perf_counter() - start)
 
 
-def _grid_size(space: SearchSpace) -> int:
-    n = 1
-    for v in space.grid().values():
-        n *= len(v)
-    return n
+def store(trial: optuna.Trial, s: Scored, capacity: int) -> None:
+    """Save a scored point on its trial (what `records.record` reads back)."""
+    trial.set_user_attr("summary", s.summary)
+    trial.set_user_attr("program", s.program)
+    trial.set_user_attr("predicted", s.predicted)
+    trial.set_constraint("memory", s.values[1] - capacity)
 
 
+def describe(study: optuna.Study, evaluator: Evaluator) -> None:
+    """What the study is about, for `show`, `export` and the dashboard."""
+    study.set_metric_names(list(OBJECTIVES))
+    spec = evaluator.spec
+    about = {"model": spec.path, "model_args": [list(a) for a in spec.model_args],
+             "gpus": evaluator.gpus, "batch_size": evaluator.batch_size,
+             "cluster": evaluator.cluster.name,
+             "memory_bytes": evaluator.cluster.memory_bytes}
+    for k, v in about.items():
+        if study.user_attrs.get(k) != v:
+            study.set_user_attr(k, v)
+
+
+def _storage(url: str) -> str | optuna.storages.BaseStorage:
+    """SQL storages get a heartbeat, so a trial left RUNNING by a killed search is failed
+    (and counted as finished) instead of lingering."""
+    if url.split(":", 1)[0].split("+")[0] in ("sqlite", "postgresql", "mysql"):
+        with warnings.catch_warnings():  # heartbeats are "experimental" since optuna 2.9
+            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+            return optuna.storages.RDBStorage(url, heartbeat_interval=HEARTBEAT_S)
+    return url
+
+
+def _check_not_empty(space: SearchSpace) -> None:
+    """Every point infeasible (say --gpus far beyond the batch) is bad input: say so now,
+    rather than spend every trial finding out."""
+    if space.points():
+        return
+    first: str | None = None
+    grid = space.grid()
+    keys = list(grid)
+    for values in itertools.product(*(grid[k] for k in keys)):
+        try:
+            space.check(**dict(zip(keys, values)))
+        except Infeasible as e:
+            first = f"{', '.join(f'{k}={v}' for k, v in zip(keys, values))}: {e}"
+            break
+    gpus, batch = getattr(space, "gpus", "?"), getattr(space, "batch_size", "?")
+    raise PiperError(f"no strategy in the search space is valid for --gpus {gpus} and batch "
+                     f"size {batch}; e.g. {first or 'the space is empty'}")

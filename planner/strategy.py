@@ -1,4 +1,4 @@
-"""Shorthand flags (--pp --dp --schedule --microbatches) to a Program, with degree checks."""
+"""Shorthand flags (--pp --dp --tp --ep --schedule ...) to a Program, with degree checks."""
 
 from __future__ import annotations
 
@@ -10,35 +10,47 @@ from piper.errors import PiperError
 from piper.program import Program
 from search_spaces.partition import balanced_stages
 
-UNSUPPORTED = {"tp": 1, "ep": 1, "recompute": False}
+UNSUPPORTED = {"recompute": False}
 
 
-def degrees(args: argparse.Namespace, gpus: int) -> tuple[int, int]:
-    """(pp, dp) from the flags; every mismatch names all degrees."""
+def degrees(args: argparse.Namespace, gpus: int) -> tuple[int, int, int, int]:
+    """(pp, dp, tp, ep) from the flags; every mismatch names all degrees."""
     for flag, default in UNSUPPORTED.items():
         value = getattr(args, flag, default)
         if value not in (None, default):
             raise PiperError(f"--{flag.replace('_', '-')} {value} is not supported yet "
-                             f"(this build supports pipeline and data parallelism)")
+                             f"(this build supports pipeline, data, tensor and expert "
+                             "parallelism)")
     pp, dp = args.pp, args.dp
-    for name, v in (("--pp", pp), ("--dp", dp), ("--microbatches", args.microbatches)):
+    tp, ep = getattr(args, "tp", None) or 1, getattr(args, "ep", None) or 1
+    for name, v in (("--pp", pp), ("--dp", dp), ("--tp", getattr(args, "tp", None)),
+                    ("--ep", getattr(args, "ep", None)),
+                    ("--microbatches", args.microbatches)):
         if v is not None and v < 1:
             raise PiperError(f"{name} must be >= 1, got {v}")
+    if gpus % tp:
+        raise PiperError(f"--tp {tp} does not divide --gpus {gpus}")
+    rest = gpus // tp
     if pp is None and dp is None:
-        pp, dp = 1, gpus
+        pp, dp = 1, rest
     elif pp is None:
-        pp = gpus // dp if gpus % dp == 0 else -1
+        pp = rest // dp if rest % dp == 0 else -1
     elif dp is None:
-        dp = gpus // pp if gpus % pp == 0 else -1
-    if pp < 1 or dp < 1 or pp * dp != gpus:
-        raise PiperError(f"pp={args.pp} x dp={args.dp} x tp=1 x ep=1 does not make "
-                         f"--gpus {gpus}")
-    return pp, dp
+        dp = rest // pp if rest % pp == 0 else -1
+    if pp < 1 or dp < 1 or pp * dp * tp != gpus:
+        raise PiperError(f"pp={args.pp} x dp={args.dp} x tp={tp} does not make --gpus {gpus}")
+    if dp % ep:
+        raise PiperError(f"--ep {ep} must divide the data-parallel degree dp={dp}: expert "
+                         "parallelism splits the experts over data-parallel replicas")
+    return pp, dp, tp, ep
 
 
 def shorthand_program(args: argparse.Namespace, gpus: int, regions: tuple[str, ...],
-                      region_costs: tuple[float, ...]) -> Program:
-    pp, dp = degrees(args, gpus)
+                      region_costs: tuple[float, ...], expert_regions: tuple[str, ...] = ()
+                      ) -> Program:
+    pp, dp, tp, ep = degrees(args, gpus)
+    if ep > 1 and not expert_regions:
+        raise PiperError(f"--ep {ep}: the model has no piper.Experts layers to split")
     schedule = args.schedule or "1f1b"
     v = args.virtual_stages or (2 if schedule == "dualpipev" else 1)
     if v < 1:
@@ -58,6 +70,7 @@ def shorthand_program(args: argparse.Namespace, gpus: int, regions: tuple[str, .
                                zero=args.zero or 0)
     except ValueError as e:
         raise PiperError(str(e)) from None
+    prog = schedules.shard(prog, tp=tp, ep=ep, expert_regions=expert_regions)
     if getattr(args, "comm_stream", False):
         # one group's collectives share a stream: ZeRO-3's gathers stay with compute
         kinds = {1: "AR RS AG", 2: "AR RS AG", 3: "AR"}.get(args.zero or 0, "AR RS")
@@ -69,8 +82,9 @@ def add_shorthand_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("shorthand strategy (instead of --strategy)")
     g.add_argument("--pp", type=int, help="pipeline ranks")
     g.add_argument("--dp", type=int, help="data-parallel replicas")
-    g.add_argument("--tp", type=int, help="tensor parallel degree (not supported yet)")
-    g.add_argument("--ep", type=int, help="expert parallel degree (not supported yet)")
+    g.add_argument("--tp", type=int, help="tensor-parallel degree (the model's TP_PLAN)")
+    g.add_argument("--ep", type=int, help="expert-parallel degree (splits piper.Experts "
+                   "over data-parallel replicas)")
     g.add_argument("--zero", type=int, choices=[0, 1, 2, 3],
                    help="ZeRO stage of the data-parallel replicas (default 0)")
     g.add_argument("--schedule", choices=sorted(schedules.SCHEDULES), help="default 1f1b")

@@ -1,4 +1,12 @@
-"""Chrome / Perfetto trace (`traceEvents`) from timeline spans, with send -> recv flow arrows."""
+"""Chrome / Perfetto trace (`traceEvents`) from timeline spans, with send -> recv flow arrows.
+
+One process per rank, one thread per logical stream, one complete ("X") slice per task.
+Each message is a flow from its SEND slice to its RECV slice, written in the trace format's
+"v2" form: both slices carry the flow's `bind_id`, the SEND with `flow_out`, the RECV with
+`flow_in`. Unlike "s"/"f" flow events, which viewers bind to whatever slice sits at their
+timestamp, this cannot attach to the wrong slice when a simulated SEND takes no time and
+a RECV starts at the same instant on the same stream.
+"""
 
 from __future__ import annotations
 
@@ -12,24 +20,28 @@ from runtime.dryrun import Span
 
 def chrome_trace(spans: Iterable[Span]) -> dict:
     events: list[dict] = []
-    sends: dict[int, Span] = {}
-    recvs: list[Span] = []
+    sends: dict[int, list[dict]] = {}
+    recvs: list[tuple[int, dict]] = []
     for s in spans:
-        events.append({"name": s.task.name, "ph": "X", "pid": s.rank, "tid": s.stream,
-                       "ts": s.start * 1e6, "dur": max(s.end - s.start, 0.0) * 1e6,
-                       "cat": s.task.kind.name})
+        event = {"name": s.task.name, "ph": "X", "pid": s.rank, "tid": s.stream,
+                 "ts": s.start * 1e6, "dur": max(s.end - s.start, 0.0) * 1e6,
+                 "cat": s.task.kind.name}
+        events.append(event)
         if s.task.kind is Kind.SEND:
-            sends[s.task.tag] = s
+            sends.setdefault(s.task.tag, []).append(event)
         elif s.task.kind is Kind.RECV:
-            recvs.append(s)
-    for i, r in enumerate(recvs):
-        s = sends.get(r.task.tag)
-        if s is None:
+            recvs.append((s.task.tag, event))
+    flows = 0
+    for tag, recv in recvs:
+        senders = sends.get(tag)
+        if not senders:  # a measured trace may hold one side of a message only
             continue
-        events.append({"name": "p2p", "ph": "s", "id": i, "pid": s.rank, "tid": s.stream,
-                       "ts": s.start * 1e6, "cat": "flow"})
-        events.append({"name": "p2p", "ph": "f", "bp": "e", "id": i, "pid": r.rank,
-                       "tid": r.stream, "ts": r.end * 1e6, "cat": "flow"})
+        # a measured tensor-parallel trace repeats a tag once per TP rank: pair them in order
+        send = senders.pop(0)
+        bind = f"0x{flows:x}"
+        send.update(bind_id=bind, flow_out=True)
+        recv.update(bind_id=bind, flow_in=True)
+        flows += 1
     for rank in sorted({e["pid"] for e in events}):
         events.append({"name": "process_name", "ph": "M", "pid": rank,
                        "args": {"name": f"rank {rank}"}})

@@ -9,19 +9,22 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from piper.capture import Captured
+from piper.capture import Captured, ModelGraph
 from piper.dag import Kind
 from piper.model_file import ModelSpec
 from runtime.memory import MemoryLedger
 from runtime.plan import COMPUTE_STREAM, Plan, RankPlan, Task
 from runtime.stage_module import StageModule, build_stage
+from runtime.streams import DeviceStreams
+from runtime.weight_grad import WeightGradStore, collecting, defer_weight_grads
 from runtime.zero import ShardedStage
 
 
@@ -30,8 +33,8 @@ class _Saved:
     acts: list[tuple[str, torch.Tensor]]  # activation inputs (leaves) by value name
     outputs: dict[str, torch.Tensor]
     loss: torch.Tensor | None = None
-    roots: list[torch.Tensor] = field(default_factory=list)  # backward from these...
-    seeds: list[torch.Tensor] = field(default_factory=list)  # ...with these gradients
+    deferred: WeightGradStore | None = None  # split backward: W's products, kept by I
+    flat_grad: torch.Tensor | None = None  # ZeRO: this microbatch's flat gradient, I to W
 
 
 @dataclass
@@ -62,18 +65,27 @@ class StepOutcome:
 class RankExecutor:
     """State of one rank across steps: its stage modules, parameters and optimizers."""
 
+    report: Callable[[str, str], None] | None = None  # told (stream, task) before each task
+
     def __init__(self, plan: Plan, rank: int, spec: ModelSpec, captured: Captured,
                  batch_size: int, seed: int, device: torch.device,
                  groups: dict[tuple[int, ...], Any]) -> None:
         self.plan = plan
-        self.rp: RankPlan = plan.ranks[rank]
+        self.rank = rank
+        self.mesh = plan.mesh
+        logical, self.tp_rank = self.mesh.split(rank)
+        self.rp: RankPlan = plan.ranks[logical]
         self.device = device
         self.groups = groups
         self.spec = spec
-        if captured.graph != plan.model:
-            raise RuntimeError(f"rank {rank}: captured model differs from the plan's model")
+        rename = _align(captured.graph, plan.model, rank)
         torch.manual_seed(seed)
         model = spec.build().to(device)
+        sh = plan.sharding
+        plan.sharding.apply(model, self.tp_rank, self.rp.replica % sh.ep)
+        # with expert parallelism the experts follow their own data-parallel group
+        experts = {f"{m}.{w}" for m in sh.experts for w in ("w1", "w2")} if sh.ep > 1 else set()
+        self.expert_group = self.mesh.lift(self.mesh.expert_dp_group(logical), self.tp_rank)
         params = dict(model.named_parameters(remove_duplicate=False))  # tied: every name
         buffers = dict(model.named_buffers())
         self.stages: dict[int, StageModule] = {}
@@ -83,8 +95,13 @@ class RankExecutor:
         self.optim: dict[int, torch.optim.Optimizer] = {}
         self.sharded: dict[int, ShardedStage] = {}
         names = plan.model.names
+        # stages whose backward is split: their matmuls against parameters defer the weight
+        # products from I to W (runtime.weight_grad)
+        self.split = {t.stage for t in self.rp.tasks if t.kind is Kind.BWD_I}
         tied = {p for ps, stages in plan.ties for p in ps if set(stages) & set(self.rp.stages)}
-        self.tied_in: dict[int, list[torch.nn.Parameter]] = {}
+        # per stage: parameters whose gradients are summed apart from the stage's own (tied
+        # ones across stages, experts over their expert group), so never ZeRO-sharded
+        self.apart: dict[int, list[torch.nn.Parameter]] = {}
         self.tied_named = {p: params[p] for p in tied}
         for ps, stages in plan.ties:
             mine = [s for s in stages if s in self.rp.stages]
@@ -93,15 +110,20 @@ class RankExecutor:
                 self.params.setdefault(key, []).extend(params[p] for p in ps)  # type: ignore
         for s in self.rp.stages:
             regions = {names.index(r) for r in plan.stage_regions[s]}
-            sm = build_stage(captured, regions, device)
+            sm = _renamed(build_stage(captured, regions, device), rename)
+            if s in self.split:
+                sm = _deferring(sm)
             self.stages[s] = sm
             fixed: list[torch.Tensor | None] = []
             ps: list[torch.nn.Parameter] = []
-            self.tied_in[s] = []
+            self.apart[s] = []
             for kind, key in sm.inputs:
-                if kind == "param" and key in tied:
-                    self.tied_in[s].append(params[key])  # type: ignore[index]
+                if kind == "param" and (key in tied or key in experts):
+                    self.apart[s].append(params[key])  # type: ignore[index]
                     fixed.append(params[key])  # type: ignore[index]
+                    if key in experts:
+                        self.params.setdefault(("experts", s), []).append(  # type: ignore
+                            params[key])  # type: ignore[index]
                 elif kind == "param":
                     ps.append(params[key])  # type: ignore[index]
                     fixed.append(params[key])  # type: ignore[index]
@@ -112,17 +134,18 @@ class RankExecutor:
             self.params[s] = list(dict.fromkeys(ps))  # a param used twice is updated once
             index = {id(p): i for i, p in enumerate(self.params[s])}
             self.slot[s] = [index[id(params[key])]  # type: ignore[index]
-                            if kind == "param" and key not in tied else -1
+                            if kind == "param" and key not in tied | experts else -1
                             for kind, key in sm.inputs]
             self.inputs[s] = fixed
             if not self.params[s]:
                 continue  # nothing to update (or communicate) for a parameter-free stage
             if plan.zero:
                 first = self.rp.device * plan.dp
-                ranks = tuple(range(first, first + plan.dp))
+                ranks = self.mesh.lift(tuple(range(first, first + plan.dp)), self.tp_rank)
                 self.sharded[s] = ShardedStage(self.params[s], plan.zero, groups[ranks],
-                                               rank - first, plan.dp)
+                                               self.rp.replica, plan.dp)
                 self.params[s] = []  # the full copies are released; the flat buffer rules
+                self.inputs[s] = [None if k >= 0 else t for t, k in zip(fixed, self.slot[s])]
                 self.optim[s] = spec.make_optimizer([self.sharded[s].shard])
             else:
                 self.optim[s] = spec.make_optimizer(self.params[s])
@@ -139,6 +162,7 @@ class RankExecutor:
         self.targets = _slice(targets, lo, lo + per_replica, device)
         self.loss_scale = 1.0 / (plan.dp * plan.microbatches)
         self.ledger = MemoryLedger(device)
+        self.streams = DeviceStreams(device, [n for n, _ in self.rp.streams], COMPUTE_STREAM)
         # for each chunk task: the receives that feed the next two chunks (lookahead)
         tasks = self.rp.stream(COMPUTE_STREAM)
         chunks = [i for i, t in enumerate(tasks) if t.kind.is_chunk]
@@ -153,6 +177,7 @@ class RankExecutor:
         compute stream in this one), synchronised by one event per task."""
         st = _StepState({t.name: threading.Event() for t in self.rp.tasks})
         self.ledger.start_step()
+        self.streams.start_step()
         dist.barrier()  # every rank starts the step together, so step times are comparable
         st.t0 = time.perf_counter()
         others = [threading.Thread(target=self._run_stream, args=(name, ts, st, False),
@@ -172,33 +197,43 @@ class RankExecutor:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         elapsed = time.perf_counter() - st.t0
-        has_loss = self.plan.output_stage in self.rp.stages
+        # tensor-parallel ranks compute the same loss: one of them reports it
+        has_loss = self.plan.output_stage in self.rp.stages and self.tp_rank == 0
         return StepOutcome(st.loss_sum if has_loss else None, elapsed, self.ledger.peak(),
                            self.ledger.model_state_peak(), st.spans)
 
     def _run_stream(self, stream: str, tasks: tuple[Task, ...], st: _StepState,
                     compute: bool) -> None:
         try:
-            for i, task in enumerate(tasks):
-                for name in task.after:  # a task of another stream this one depends on
-                    while not st.events[name].wait(0.05):
-                        if st.error is not None:
-                            return
-                if st.error is not None:
-                    return
-                ts = time.perf_counter()
-                if compute and task.kind.is_chunk:
-                    # post the next chunks' receives now, so their inputs travel meanwhile
-                    for r in self.next_recvs[i]:
-                        if r.tag not in st.posted:
-                            st.posted[r.tag] = self._post_recv(r)
-                self._run_task(task, st)
-                st.spans.append((stream, task, ts - st.t0, time.perf_counter() - st.t0))
-                st.events[task.name].set()
-                if compute:
-                    self.ledger.observe(self.params, self.optim, self.sharded, st.saved)
+            with self.streams.on(stream):
+                self._issue(stream, tasks, st, compute)
         except BaseException as e:  # noqa: BLE001 - handed to the step's caller
             st.error = st.error or e
+
+    def _issue(self, stream: str, tasks: tuple[Task, ...], st: _StepState,
+               compute: bool) -> None:
+        for i, task in enumerate(tasks):
+            for name in task.after:  # a task of another stream this one depends on
+                while not st.events[name].wait(0.05):
+                    if st.error is not None:
+                        return
+            if st.error is not None:
+                return
+            self.streams.wait_for(task.after)
+            ts = time.perf_counter()
+            if compute and task.kind.is_chunk:
+                # post the next chunks' receives now, so their inputs travel meanwhile
+                for r in self.next_recvs[i]:
+                    if r.tag not in st.posted:
+                        st.posted[r.tag] = self._post_recv(r)
+            if self.report is not None:
+                self.report(stream, task.name)
+            self._run_task(task, st)
+            st.spans.append((stream, task, ts - st.t0, time.perf_counter() - st.t0))
+            self.streams.finished(task.name)
+            st.events[task.name].set()
+            if compute:
+                self.ledger.observe(self.params, self.optim, self.sharded, st.saved)
 
     def _run_task(self, task: Task, st: _StepState) -> None:
         acts, grads, saved = st.acts, st.grads, st.saved
@@ -210,7 +245,7 @@ class RankExecutor:
         elif task.kind in (Kind.BWD, Kind.BWD_I):
             sv = saved.pop((task.stage, task.mb))
             self._backward(task, sv, grads)
-            if task.kind is Kind.BWD_I:  # W still needs the graph
+            if task.kind is Kind.BWD_I:  # W needs what I deferred
                 saved[(task.stage, task.mb, "W")] = sv
         elif task.kind is Kind.BWD_W:
             self._backward(task, saved.pop((task.stage, task.mb, "W")), grads)
@@ -218,7 +253,9 @@ class RankExecutor:
             store = grads if task.grad else acts
             for k, v in enumerate(task.values):
                 t = store[(v, task.mb)].detach().contiguous()
-                st.pending.append((dist.isend(t, dst=task.peer, tag=task.tag + k), t))
+                peer = self.mesh.physical(task.peer, self.tp_rank)
+                link = self.groups[("p2p", self.rank, peer)]
+                st.pending.append((dist.isend(t, dst=peer, group=link, tag=task.tag + k), t))
         elif task.kind is Kind.RECV:
             works = st.posted.pop(task.tag, None) or self._post_recv(task)
             for v, (work, buf) in zip(task.values, works):
@@ -237,10 +274,17 @@ class RankExecutor:
         elif task.kind is Kind.ALL_GATHER:
             self.sharded[task.stage].materialize()
         elif task.kind is Kind.REDUCE_SCATTER:
-            self.sharded[task.stage].reduce_scatter(task.mb)
+            sh = self.sharded[task.stage]
+            self.streams.keep([*sh.pending.values(), *_present(sh.full_grad)])
+            sh.reduce_scatter(task.mb)
         elif task.kind is Kind.UPDATE:
             if ("tied", task.stage) in self.optim:
                 self._step(("tied", task.stage))
+            if ("experts", task.stage) in self.optim:
+                if len(self.expert_group) > 1:
+                    self._reduce(self.params[("experts", task.stage)], self.expert_group,
+                                 lifted=True)
+                self._step(("experts", task.stage))
             if task.stage in self.optim:
                 self._update(task.stage)
 
@@ -249,16 +293,22 @@ class RankExecutor:
         for k, v in enumerate(task.values):
             info = self.plan.model.value(v)
             buf = torch.empty(info.shape, dtype=getattr(torch, info.dtype), device=self.device)
-            out.append((dist.irecv(buf, src=task.peer, tag=task.tag + k), buf))
+            peer = self.mesh.physical(task.peer, self.tp_rank)
+            link = self.groups[("p2p", peer, self.rank)]
+            out.append((dist.irecv(buf, src=peer, group=link, tag=task.tag + k), buf))
         return out
 
     def _update(self, stage: int) -> None:
         if stage in self.sharded:
+            self.streams.keep(_present(self.sharded[stage].grad_shard))
             self.sharded[stage].step(self.optim[stage])
         else:
             self._step(stage)
 
     def _step(self, key: Any) -> None:
+        # gradients may come from a comm stream's collective: the optimizer's use counts too
+        self.streams.keep(p.grad for g in self.optim[key].param_groups for p in g["params"]
+                          if p.grad is not None)
         self.optim[key].step()
         self.optim[key].zero_grad(set_to_none=True)
 
@@ -283,13 +333,19 @@ class RankExecutor:
                     x.requires_grad_(True)
                     leaves.append((key, x))  # type: ignore[arg-type]
                 args.append(x)
-        outs = dict(zip(sm.outputs, sm.module(*args)))
+        deferred = None
+        if task.stage in self.split:  # ZeRO-3 frees the gathered buffer before W
+            freed = shard is not None and shard.zero == 3
+            deferred = WeightGradStore((shard.flat.untyped_storage().data_ptr(),)
+                                       if freed else ())
+        with collecting(deferred):
+            outs = dict(zip(sm.outputs, sm.module(*args)))
         del views
         if shard is not None and shard.zero == 3:
             shard.free()  # reshard after every chunk; backward gathers again
         for name, t in outs.items():
             acts[(name, task.mb)] = t
-        saved = _Saved(leaves, outs)
+        saved = _Saved(leaves, outs, deferred=deferred)
         if sm.model_outputs:
             out = [outs[n] for n in sm.model_outputs]
             pred = out[0] if len(out) == 1 else tuple(out)
@@ -299,40 +355,64 @@ class RankExecutor:
 
     def _backward(self, task: Task, saved: _Saved,
                   grads: dict[tuple[str, int], torch.Tensor]) -> None:
-        """B, or with SplitBackward its halves: I (input gradients, keeping the autograd
-        graph) and W (weight gradients from the same roots, freeing it)."""
-        if task.kind is not Kind.BWD_W:
-            saved.roots, saved.seeds = [], []
-            if saved.loss is not None:
-                saved.roots.append(saved.loss)
-                saved.seeds.append(torch.ones_like(saved.loss))
-            for name, t in saved.outputs.items():
-                g = grads.pop((name, task.mb), None)
-                if g is not None and t.requires_grad:
-                    saved.roots.append(t)
-                    saved.seeds.append(g)
+        """B, or with SplitBackward its halves. B and I walk the autograd graph once (and
+        free it): input gradients and every weight gradient the stage module computes in
+        place; on a split stage the matmuls against parameters leave their weight products
+        to W, which multiplies what I kept (`runtime.weight_grad`) without the graph or the
+        parameters."""
         shard = self.sharded.get(task.stage)
-        leaves = [x for _, x in saved.acts] if task.kind is not Kind.BWD_W else []
-        weights: list[torch.Tensor] = []
-        if task.kind is not Kind.BWD_I:
-            weights = self.tied_in[task.stage] + (
-                [shard.flat] if shard is not None else self.params[task.stage])
-        if not leaves + weights or not saved.roots:
+        if task.kind is Kind.BWD_W:
+            self._weight_pass(task, saved, shard)
             return
-        # backward(inputs=...) accumulates into .grad in place, as eager training does
-        torch.autograd.backward(saved.roots, saved.seeds, inputs=leaves + weights,
-                                retain_graph=task.kind is Kind.BWD_I)
-        for name, x in saved.acts if leaves else ():
+        roots, seeds = [], []
+        if saved.loss is not None:
+            roots.append(saved.loss)
+            seeds.append(torch.ones_like(saved.loss))
+        for name, t in saved.outputs.items():
+            g = grads.pop((name, task.mb), None)
+            if g is not None and t.requires_grad:
+                roots.append(t)
+                seeds.append(g)
+        leaves = [x for _, x in saved.acts]
+        weights = self.apart[task.stage] + (
+            [shard.flat] if shard is not None else self.params[task.stage])
+        if roots and leaves + weights:
+            # backward(inputs=...) accumulates into .grad in place, as eager training does
+            torch.autograd.backward(roots, seeds, inputs=leaves + weights)
+        for name, x in saved.acts:
             g = torch.zeros_like(x) if x.grad is None else x.grad
             x.grad = None
             key = (name, task.mb)
             grads[key] = grads[key] + g if key in grads else g
-        if shard is not None and task.kind is not Kind.BWD_I:
+        saved.acts, saved.outputs, saved.loss = [], {}, None  # the graph is gone
+        if shard is not None:
             g = shard.flat.grad
             shard.flat.grad = None
-            shard.add_grad(task.mb, torch.zeros_like(shard.flat.data) if g is None else g)
+            g = torch.zeros_like(shard.flat.data) if g is None else g
+            if task.kind is Kind.BWD_I:
+                saved.flat_grad = g  # W adds its products, then hands it over
+            else:
+                shard.add_grad(task.mb, g)
             if shard.zero == 3:
                 shard.free()
+
+    def _weight_pass(self, task: Task, saved: _Saved, shard: ShardedStage | None) -> None:
+        """W: the weight products I deferred, summed where autograd would have put them —
+        a parameter's `.grad`, or its part of the microbatch's flat gradient under ZeRO."""
+        slot, fixed = self.slot[task.stage], self.inputs[task.stage]
+        with torch.no_grad():
+            for key, g in saved.deferred.grads() if saved.deferred is not None else ():
+                if shard is not None and slot[key] >= 0:
+                    shard.view(saved.flat_grad, slot[key]).add_(g)  # type: ignore[arg-type]
+                    continue
+                p = fixed[key]
+                if p.grad is None:  # type: ignore[union-attr]
+                    p.grad = g  # type: ignore[union-attr]
+                else:
+                    p.grad.add_(g)  # type: ignore[union-attr]
+        if shard is not None:
+            g, saved.flat_grad = saved.flat_grad, None
+            shard.add_grad(task.mb, torch.zeros_like(shard.flat.data) if g is None else g)
 
     def _all_reduce_tied(self, task: Task) -> None:
         """Sum the gradients of tied parameters over every copy (stages x replicas)."""
@@ -341,12 +421,50 @@ class RankExecutor:
     def _all_reduce(self, task: Task) -> None:
         self._reduce(self.params[task.stage], task.group)
 
-    def _reduce(self, params: list[torch.nn.Parameter], group: tuple[int, ...]) -> None:
+    def _reduce(self, params: list[torch.nn.Parameter], group: tuple[int, ...],
+                lifted: bool = False) -> None:
+        """Sum gradients over `group` (logical ranks unless `lifted` to processes already)."""
         gs = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        self.streams.keep(gs)  # made by backward on the compute stream
         flat = _flatten_dense_tensors(gs)
-        dist.all_reduce(flat, group=self.groups[group])
+        ranks = group if lifted else self.mesh.lift(group, self.tp_rank)
+        dist.all_reduce(flat, group=self.groups[ranks])
         for p, g in zip(params, _unflatten_dense_tensors(flat, gs)):
             p.grad = g
+
+
+def _align(got: ModelGraph, plan: ModelGraph, rank: int) -> dict[str, str]:
+    """This rank's capture's value names -> the plan's. A tensor/expert-parallel capture
+    has other parameter shapes and op names, but the same regions and the same tensors
+    crossing between them, in the same order."""
+    same = (got.names, got.output_region, [(f.src, f.dst, len(f.values)) for f in got.flows]
+            ) == (plan.names, plan.output_region,
+                  [(f.src, f.dst, len(f.values)) for f in plan.flows])
+    rename = {a: b for fa, fb in zip(got.flows, plan.flows) for a, b in zip(fa.values, fb.values)}
+    if not same or any(got.value(a).shape != plan.value(b).shape for a, b in rename.items()):
+        raise RuntimeError(f"rank {rank}: captured model differs from the plan's model (a "
+                           "tensor-parallel plan must not split tensors that cross regions)")
+    return rename
+
+
+def _renamed(sm: StageModule, rename: dict[str, str]) -> StageModule:
+    def name(v: str) -> str:
+        return rename.get(v, v)
+
+    return replace(sm, inputs=tuple((k, name(v)) if k == "act" else (k, v)  # type: ignore
+                                    for k, v in sm.inputs),
+                   outputs=tuple(map(name, sm.outputs)),
+                   model_outputs=tuple(map(name, sm.model_outputs)))
+
+
+def _deferring(sm: StageModule) -> StageModule:
+    """`sm` with its matmuls against parameters deferring their weight products to W."""
+    params = {i for i, (kind, _) in enumerate(sm.inputs) if kind == "param"}
+    return replace(sm, module=defer_weight_grads(sm.module, params)[0])
+
+
+def _present(t: torch.Tensor | None) -> list[torch.Tensor]:
+    return [] if t is None else [t]
 
 
 def _slice(x: Any, lo: int, hi: int, device: torch.device) -> Any:

@@ -4,21 +4,35 @@ rank, run the steps and gather losses, times and memory."""
 from __future__ import annotations
 
 import os
+import re
+import shutil
 import socket
+import tempfile
+import time
 from dataclasses import dataclass
+from typing import Any
 
 import ray
-from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+from ray.exceptions import RayActorError, RayError
 
-from piper.capture import capture
+from piper.capture import Captured, capture
 from piper.dag import TrainingDAG, single_device_dag
-from piper.errors import PiperError
+from piper.directives import Place
+from piper.errors import DirectiveError, PiperError
 from piper.model_file import ModelSpec
 from piper.program import Program
+from piper.sharding import ModelSharding
 from runtime.dryrun import Span
 from runtime.plan import Plan
+from runtime.progress import read_progress
 from runtime.scheduler import schedule
 from runtime.worker import RemoteWorker
+
+POLL_S = 1.0  # the driver looks up from waiting this often (Ctrl-C, deadlines)
+GRACE_S = 3.0  # after a first failure, how long the others get to fail too (root cause first)
+DEADLINE_SLACK_S = 10.0  # the driver outwaits the process groups' timeout by this much
+SETUP_MIN_S = 300.0  # starting worker processes and capturing a big model takes a while
+CPU_WORKER_BYTES = 512 * 2**20  # a CPU worker process: torch, Ray, a small model
 
 
 class RuntimeFailure(Exception):
@@ -59,29 +73,92 @@ def program_microbatch_size(program: Program, batch_size: int) -> int:
 
 def apply_for(program: Program, dag: TrainingDAG, gpus: int) -> TrainingDAG:
     """Apply `program` to a single-device DAG and check it uses exactly `gpus` devices."""
+    _check_devices(program, gpus)
     out = program.apply(dag)
     if out.world_size != gpus:
-        raise PiperError(f"strategy needs pp={out.pp} x dp={out.dp} = {out.world_size} "
-                         f"devices, but --gpus is {gpus}")
+        raise PiperError(f"strategy needs pp={out.pp} x dp={out.dp} x tp={out.sharding.tp} = "
+                         f"{out.world_size} devices, but --gpus is {gpus}")
     return out
 
 
+def _check_devices(program: Program, gpus: int) -> None:
+    """A Place on a device beyond the cluster, named by its directive (before `verify` would
+    only see a gap in the device numbers)."""
+    s = program.summary()
+    width = s["dp"] * s["tp"]
+    if width < 1 or gpus % width:
+        return  # the world-size check names every degree
+    devices = gpus // width
+    for i, d in enumerate(program.directives):
+        if isinstance(d, Place) and d.device >= devices:
+            raise DirectiveError(i, d, f"device {d.device} is out of range: --gpus {gpus} "
+                                 f"with dp={s['dp']} x tp={s['tp']} has pipeline devices "
+                                 f"0..{devices - 1}")
+
+
 def lower(spec: ModelSpec, program: Program, gpus: int, batch_size: int) -> Plan:
-    """Capture at the microbatch size, apply the Program, check the world size, schedule."""
+    """Capture at the microbatch size, apply the Program, check the world size, schedule;
+    with tensor/expert parallelism, check here that the model splits (workers would fail)."""
     mb = program_microbatch_size(program, batch_size)
-    return schedule(apply_for(program, single_device_dag(capture(spec, mb).graph), gpus))
+    plan = schedule(apply_for(program, single_device_dag(capture(spec, mb).graph), gpus))
+    if not plan.sharding.trivial:
+        capture_sharded(spec, mb, plan.sharding)
+    return plan
 
 
-def ensure_ray(address: str | None = None) -> None:
-    """Join `address`, or start a local Ray instance once per process."""
+def capture_sharded(spec: ModelSpec, batch: int, sharding: ModelSharding) -> Captured:
+    """One rank's tensor/expert-parallel slice of the model, captured on meta; `Infeasible`
+    (a one-line input error) when the model's code does not run at the local shapes."""
+    from search_spaces.base import Infeasible
+
+    try:
+        return capture(spec, batch, sharding)
+    except PiperError as e:
+        raise Infeasible(f"{sharding.describe()}: the model does not run split this way "
+                         f"(e.g. heads not divisible by tp): {e}") from None
+
+
+def ensure_ray(address: str | None = None) -> bool:
+    """Join `address`, or start a local Ray instance; True if this call connected (so the
+    caller shuts it down), False if Ray was already up."""
     if ray.is_initialized():
-        return
+        return False
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     if address:
         ray.init(address=address, logging_level="ERROR", log_to_driver=False)
     else:
         ray.init(num_cpus=max(2, os.cpu_count() or 2), include_dashboard=False,
                  logging_level="ERROR", log_to_driver=False)
+    return True
+
+
+def check_workers(world: int, device: str, address: str | None) -> None:
+    """Refuse a run this machine cannot host, before anything is built or started: Ray would
+    otherwise leave the extra workers pending (a hang) or start them until memory runs out."""
+    if address:
+        return  # a cluster's capacity is checked once joined (`_check_cluster`)
+    if device == "cuda":
+        import torch
+
+        have = torch.cuda.device_count()
+        if world > have:
+            raise PiperError(f"--gpus {world} needs {world} GPUs; this machine has {have} "
+                             "(--address joins a Ray cluster with more)")
+        return
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    most = max(2, ram // CPU_WORKER_BYTES)
+    if world > most:
+        raise PiperError(f"--gpus {world} on --device cpu starts {world} worker processes of "
+                         f"about {CPU_WORKER_BYTES / 2**30:.1f} GiB each; this machine's "
+                         f"{ram / 2**30:.0f} GiB holds at most {most} (--address joins a "
+                         "Ray cluster with more)")
+
+
+def _check_cluster(world: int, device: str) -> None:
+    if device == "cuda":
+        have = int(ray.cluster_resources().get("GPU", 0))
+        if world > have:
+            raise PiperError(f"--gpus {world} needs {world} GPUs; the Ray cluster has {have}")
 
 
 def _free_port() -> int:
@@ -93,47 +170,127 @@ def _free_port() -> int:
 def run(spec: ModelSpec, plan: Plan, *, batch_size: int, steps: int, seed: int,
         device: str = "cpu", address: str | None = None, timeout_s: float = 300.0
         ) -> RunResult:
-    """Train `steps` steps of `plan` on real worker processes."""
-    ensure_ray(address)
+    """Train `steps` steps of `plan` on real worker processes.
+
+    `timeout_s` bounds every collective and P2P transfer (the process groups' timeout); the
+    driver waits a little longer for each phase, so a hang is reported by the rank that
+    waited. A rank that dies or fails stops the run at once: every worker is killed and a
+    `RuntimeFailure` names the rank and the task it was running. So does Ctrl-C
+    (KeyboardInterrupt, re-raised). A Ray instance this call started is shut down.
+    """
+    started = ensure_ray(address)
     world = plan.world_size
-    threads = max(1, (os.cpu_count() or 1) // world)
-    master = f"127.0.0.1:{_free_port()}"
-    gpu = 1 if device == "cuda" else 0
-    actors = [RemoteWorker.options(num_cpus=0, num_gpus=gpu).remote(
-        r, world, master, os.path.abspath(spec.path), spec.model_args, device, threads)
-        for r in range(world)]
+    folder = tempfile.mkdtemp(prefix="piper-run-", dir=os.environ.get("PIPER_RUN_DIR"))
+    actors: list = []
     try:
-        _gather([a.setup.remote(plan, batch_size, seed, timeout_s) for a in actors],
-                timeout_s, "setup")
+        _check_cluster(world, device)
+        threads = max(1, (os.cpu_count() or 1) // world)
+        master = f"127.0.0.1:{_free_port()}"
+        gpu = 1 if device == "cuda" else 0
+        actors = [RemoteWorker.options(num_cpus=0, num_gpus=gpu).remote(
+            r, world, master, os.path.abspath(spec.path), spec.model_args, device, threads,
+            folder) for r in range(world)]
+        # setup also starts the processes and captures the model: it gets more time
+        _Waiter(max(timeout_s, SETUP_MIN_S) + DEADLINE_SLACK_S, folder)(
+            [a.setup.remote(plan, batch_size, seed, timeout_s) for a in actors], "setup")
+        wait = _Waiter(timeout_s + DEADLINE_SLACK_S, folder)
         results, peaks, spans = [], [0] * world, ()
         for k in range(steps):
-            outs = _gather([a.step.remote() for a in actors], timeout_s, f"step {k}")
+            outs = wait([a.step.remote() for a in actors], f"step {k}")
             loss = sum(o.loss_sum for o in outs if o.loss_sum is not None)
             results.append(StepResult(k, loss, max(o.time_s for o in outs)))
             peaks = [max(p, o.peak_memory_bytes) for p, o in zip(peaks, outs)]
             spans = tuple(Span(r, stream, t, a, b) for r, o in enumerate(outs)
                           for stream, t, a, b in o.spans)
-        _gather([a.shutdown.remote() for a in actors], timeout_s, "shutdown")
+        wait([a.shutdown.remote() for a in actors], "shutdown")
         states = tuple(o.model_state_bytes for o in outs)
         return RunResult(tuple(results), tuple(peaks), plan, spans, states)
     finally:
-        for a in actors:
-            ray.kill(a)
+        for a in actors:  # on success too: the processes end now, not when Ray gets to it
+            ray.kill(a, no_restart=True)
+        shutil.rmtree(folder, ignore_errors=True)
+        if started:
+            ray.shutdown()
 
 
-def _gather(refs: list, timeout_s: float, what: str) -> list:
-    """ray.get per rank so a failure names the rank that failed."""
-    ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
-    out = []
-    for rank, ref in enumerate(refs):
-        if ref not in ready:
-            raise RuntimeFailure(f"rank {rank} did not finish {what} within {timeout_s:.0f}s")
-        try:
-            out.append(ray.get(ref))
-        except RayTaskError as e:
-            cause = e.cause if getattr(e, "cause", None) is not None else e
-            raise RuntimeFailure(f"rank {rank} failed in {what}: {type(cause).__name__}: "
-                                 f"{str(cause).strip().splitlines()[-1] if str(cause) else ''}")
-        except (RayActorError, GetTimeoutError) as e:
-            raise RuntimeFailure(f"rank {rank} died in {what}: {type(e).__name__}")
-    return out
+class _Waiter:
+    """Waits for one phase (setup, a step) on every rank and stops at the first failure: a
+    rank that raised, a rank whose process died, or a phase past its deadline. Each message
+    names the rank and, from its progress file, the task it was running."""
+
+    def __init__(self, deadline_s: float, folder: str) -> None:
+        self.deadline_s = deadline_s
+        self.folder = folder
+
+    def __call__(self, refs: list, what: str) -> list:
+        rank_of = {ref: r for r, ref in enumerate(refs)}
+        out: dict[int, Any] = {}
+        pending = list(refs)
+        end = time.monotonic() + self.deadline_s
+        while pending:
+            left = end - time.monotonic()
+            if left <= 0:
+                ranks = sorted(rank_of[ref] for ref in pending)
+                raise RuntimeFailure(f"{_ranks(ranks)} did not finish {what} within "
+                                     f"{self.deadline_s:.0f}s: " + self._where_all(ranks, what))
+            # short waits, so Ctrl-C is seen promptly while nothing happens
+            ready, pending = ray.wait(pending, num_returns=1, timeout=min(left, POLL_S))
+            for ref in ready:
+                try:
+                    out[rank_of[ref]] = ray.get(ref)
+                except RayError as e:
+                    raise RuntimeFailure(self._failed(rank_of[ref], e, pending, rank_of, what)
+                                         ) from None
+        return [out[r] for r in range(len(refs))]
+
+    def _failed(self, rank: int, err: RayError, pending: list, rank_of: dict, what: str) -> str:
+        errors = {rank: err}
+        if pending:  # a dead rank's peers fail a moment later (their sockets close): wait a
+            # little, so the message leads with the root cause, not with its echo
+            more, pending = ray.wait(pending, num_returns=len(pending), timeout=GRACE_S)
+            for ref in more:
+                try:
+                    ray.get(ref)
+                except RayError as e:
+                    errors[rank_of[ref]] = e
+        died = [r for r, e in errors.items() if isinstance(e, RayActorError)]
+        first = died[0] if died else rank
+        msg = self._describe(first, errors[first], what)
+        then = [r for r in errors if r != first]
+        if then:
+            msg += "; then " + "; ".join(f"rank {r} failed ({_reason(errors[r])})" for r in then)
+        still = sorted(rank_of[ref] for ref in pending)
+        if still:
+            msg += "; still running: " + self._where_all(still, what)
+        return msg
+
+    def _describe(self, rank: int, err: RayError, what: str) -> str:
+        p = read_progress(self.folder, rank)
+        where = p.describe() if p else f"during {what}"
+        if isinstance(err, RayActorError):
+            pid = f" (pid {p.pid})" if p else ""
+            return f"rank {rank}{pid} died {where}: its worker process exited unexpectedly"
+        return f"rank {rank} failed {where}: {_reason(err)}"
+
+    def _where_all(self, ranks: list[int], what: str) -> str:
+        out = []
+        for r in ranks:
+            p = read_progress(self.folder, r)
+            out.append(f"rank {r} {p.describe() if p else f'during {what}'}")
+        return "; ".join(out)
+
+
+def _reason(err: RayError) -> str:
+    """`Type: message`, the message's last line cut to its first sentence (gloo appends
+    advice and a source location to every error)."""
+    if isinstance(err, RayActorError):
+        return "died"
+    cause = getattr(err, "cause", None) or err
+    lines = str(cause).strip().splitlines()
+    msg = re.sub(r"^\[[^\]]*\]\s*", "", lines[-1].strip() if lines else "")
+    msg = msg.split(". ")[0].rstrip(".")
+    return f"{type(cause).__name__}: {msg}" if msg else type(cause).__name__
+
+
+def _ranks(ranks: list[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"

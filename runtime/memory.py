@@ -51,6 +51,8 @@ class MemoryLedger:
         for sv in list(saved.values()):  # another stream may add entries meanwhile
             live += sum(_nbytes(t) for t in sv.outputs.values())
             live += sum(_nbytes(t) for _, t in sv.acts)
+            live += _nbytes(sv.flat_grad)  # a split backward's gradient, from I to W
+            live += sv.deferred.nbytes() if sv.deferred is not None else 0
         self._model_state_peak = max(self._model_state_peak, model)
         self._peak = max(self._peak, model + transient + live)
 

@@ -7,10 +7,12 @@ workers and hashes for caches.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from piper.capture import ModelGraph
 from piper.dag import Kind
+from piper.sharding import ModelSharding
+from runtime.mesh import Mesh
 
 COMPUTE_STREAM = "compute"
 
@@ -58,7 +60,11 @@ class RankPlan:
 
 @dataclass(frozen=True)
 class Plan:
-    """The whole step for every rank, plus what executors need to interpret tasks."""
+    """The whole step for every logical rank, plus what executors need to interpret tasks.
+
+    Ranks, peers and groups are logical (`runtime.mesh`): with tensor parallelism each is
+    `tp` processes running the same tasks.
+    """
 
     model: ModelGraph
     stage_regions: tuple[tuple[str, ...], ...]
@@ -71,10 +77,20 @@ class Plan:
     groups: tuple[tuple[int, ...], ...]  # collective groups, in the order to create them
     zero: int = 0  # ZeRO stage of the data-parallel replicas
     ties: tuple[tuple[tuple[str, ...], tuple[int, ...]], ...] = ()  # (params, stages) tied
+    sharding: ModelSharding = field(default_factory=ModelSharding)  # tensor / expert parallelism inside chunks
+
+    @property
+    def mesh(self) -> Mesh:
+        return Mesh(self.pp, self.dp, self.sharding.tp, self.sharding.ep)
 
     @property
     def world_size(self) -> int:
-        return len(self.ranks)
+        """Processes: one per logical rank (`ranks`) and tensor-parallel index."""
+        return len(self.ranks) * self.sharding.tp
+
+    def p2p_pairs(self) -> set[tuple[int, int]]:
+        """(sender, receiver) logical ranks of every message of the step."""
+        return {(rp.rank, t.peer) for rp in self.ranks for t in rp.tasks if t.kind is Kind.SEND}
 
     def describe(self) -> str:
         """One line per rank: its tasks by short name (torch pipelining style)."""

@@ -66,9 +66,12 @@ def schedule(dag: TrainingDAG, *, check: bool = True) -> Plan:
                         name=n.name)
         return Task(n.kind, n.stage, n.mb, name=n.name)
 
+    by_rank: list[list[Node]] = [[] for _ in range(dag.ranks)]
+    for n in order:  # one pass, not one per rank: large plans have ~100 ranks x 10^4 nodes
+        by_rank[dag.rank_of(n)].append(n)
     ranks = []
-    for rank in range(dag.world_size):
-        mine = [n for n in order if dag.rank_of(n) == rank]
+    for rank in range(dag.ranks):
+        mine = by_rank[rank]
         chunks = [n for n in mine if n.kind.is_chunk]
         seq: list[Node] = []
         placed: set[Node] = set()
@@ -108,6 +111,7 @@ def schedule(dag: TrainingDAG, *, check: bool = True) -> Plan:
         ranks=tuple(ranks),
         groups=tuple(sorted({t.group for rp in ranks for t in rp.tasks if t.group})),
         ties=tuple(ties),
+        sharding=dag.sharding,
     )
     if check:
         dry_run(plan)

@@ -11,21 +11,29 @@ import torch
 import torch.distributed as dist
 
 from piper.capture import capture
+from piper.collectives import EP_GROUP, TP_GROUP, bind_group
 from piper.model_file import load_model_file
 from runtime.executor import RankExecutor, StepOutcome
 from runtime.plan import Plan
+from runtime.progress import ProgressFile, progress_path
 
 
 class Worker:
     """One rank in its own process. Methods are called in order: setup, step*, shutdown."""
 
     def __init__(self, rank: int, world: int, master: str, model_path: str,
-                 model_args: tuple[tuple[str, Any], ...], device: str, threads: int) -> None:
+                 model_args: tuple[tuple[str, Any], ...], device: str, threads: int,
+                 progress_dir: str | None = None) -> None:
         self.rank, self.world, self.master = rank, world, master
         self.model_path, self.model_args = model_path, model_args
         self.device_type = device
         torch.set_num_threads(threads)
         self.ex: RankExecutor | None = None
+        self.steps = 0
+        # what this rank is doing, for the driver to name if the process dies (see progress)
+        self.progress = ProgressFile(progress_path(progress_dir, rank)) if progress_dir else None
+        if self.progress:
+            self.progress.phase("setup")
 
     def setup(self, plan: Plan, batch_size: int, seed: int, timeout_s: float) -> int:
         if self.device_type == "cuda":
@@ -37,16 +45,35 @@ class Worker:
         dist.init_process_group(backend, init_method=f"tcp://{self.master}", rank=self.rank,
                                 world_size=self.world,
                                 timeout=datetime.timedelta(seconds=timeout_s))
-        groups = {g: dist.new_group(list(g)) for g in plan.groups}
+        mesh = plan.mesh
+        groups = {g: dist.new_group(list(g), timeout=datetime.timedelta(seconds=timeout_s))
+                  for g in mesh.groups(plan.groups)}
+        # one communicator per P2P direction, so opposite messages never queue on one link
+        groups.update({("p2p", a, b): dist.new_group(
+            sorted((a, b)), timeout=datetime.timedelta(seconds=timeout_s))
+            for a, b in mesh.p2p_pairs(plan.p2p_pairs())})
+        logical, t = mesh.split(self.rank)
+        if mesh.tp > 1:
+            bind_group(TP_GROUP, groups[mesh.tp_group(logical)])
+        if mesh.ep > 1:
+            bind_group(EP_GROUP, groups[mesh.lift(mesh.ep_group(logical), t)])
         spec = load_model_file(self.model_path, self.model_args)
         mb = batch_size // (plan.dp * plan.microbatches)
-        self.ex = RankExecutor(plan, self.rank, spec, capture(spec, mb), batch_size, seed,
-                               device, groups)
+        sharding = None if plan.sharding.trivial else plan.sharding
+        self.ex = RankExecutor(plan, self.rank, spec, capture(spec, mb, sharding), batch_size,
+                               seed, device, groups)
         return os.getpid()
 
     def step(self) -> StepOutcome:
         assert self.ex is not None, "setup() first"
-        return self.ex.step()
+        if self.progress:
+            self.progress.phase(f"step {self.steps}")
+            self.ex.report = self.progress.task
+        out = self.ex.step()
+        if self.progress:
+            self.progress.phase(f"after step {self.steps}")
+        self.steps += 1
+        return out
 
     def shutdown(self) -> None:
         if dist.is_initialized():

@@ -28,6 +28,7 @@ class ShardedStage:
         self.zero, self.group, self.size = zero, group, group_size
         self.shapes = [p.shape for p in params]
         self.numels = [p.numel() for p in params]
+        self.offsets = [sum(self.numels[:i]) for i in range(len(params))]
         n = sum(self.numels)
         self.chunk = math.ceil(n / group_size)
         full = torch.zeros(self.chunk * group_size, dtype=params[0].dtype,
@@ -50,11 +51,12 @@ class ShardedStage:
     # ---- parameters -------------------------------------------------------------------
     def views(self) -> list[torch.Tensor]:
         """Per-parameter views of the flat buffer, made inside each forward's graph."""
-        out, off = [], 0
-        for shape, n in zip(self.shapes, self.numels):
-            out.append(self.flat[off:off + n].view(shape))
-            off += n
-        return out
+        return [self.view(self.flat, i) for i in range(len(self.shapes))]
+
+    def view(self, flat: torch.Tensor, i: int) -> torch.Tensor:
+        """Parameter i's part of a flat tensor laid out like the buffer (it or a gradient)."""
+        off = self.offsets[i]
+        return flat[off:off + self.numels[i]].view(self.shapes[i])
 
     def materialize(self) -> None:
         """All-gather the shards into the flat buffer (its `.data` alias, so autograd's

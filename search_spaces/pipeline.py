@@ -1,18 +1,24 @@
-"""dp × pp × ZeRO × microbatches × schedule, with stage boundaries balanced by region cost."""
+"""dp × pp × tp × ep × ZeRO × microbatches × schedule, stage boundaries balanced by cost."""
 
 from __future__ import annotations
 
+import functools
+import itertools
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from piper import schedules
+from piper.capture import ModelGraph
 from piper.program import Program
+from piper.tensor_parallel import check_divisible, plan_targets
+from search_spaces import conditional
 from search_spaces.base import Infeasible, SearchSpace, TrialLike
+from search_spaces.conditional import Dimension
 from search_spaces.partition import balanced_stages
 
 VIRTUAL = {"interleaved-1f1b": 2, "dualpipev": 2}  # stages per pipeline rank
-SPLIT_BACKWARD = ("zb1p", "dualpipev")
 ALL_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb1p", "dualpipev")
 
 
@@ -20,13 +26,22 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+SAMPLE_ORDER = (Dimension("schedule", ordinal=False), Dimension("zero", ordinal=False),
+                Dimension("tp", ordinal=True), Dimension("pp", ordinal=True),
+                Dimension("microbatches", ordinal=True), Dimension("ep", ordinal=True))
+"""The order `sample` asks in: categorical choices first (their values never change), then
+the degrees, each among the values the earlier choices left valid."""
+
+
 @dataclass(frozen=True)
 class PipelineSpace(SearchSpace):
     """Pipeline × data parallelism over `gpus` devices for a global batch of `batch_size`.
 
     `region_costs[i]` is region i's relative compute cost (forward FLOPs); stages are cut to
-    balance it. pp counts pipeline ranks; interleaved-1f1b and dualpipev put two stages on
-    each. `zeros` are the ZeRO stages to try for the data-parallel replicas.
+    balance it exactly (`balanced_stages`). pp counts pipeline ranks; interleaved-1f1b and
+    dualpipev put two stages on each. `zeros` are the ZeRO stages to try for the
+    data-parallel replicas. Activation recompute is not a dimension: the runtime cannot run
+    it yet, and the planner proposes only what `piper-plan run` executes.
     """
 
     regions: tuple[str, ...]
@@ -36,40 +51,119 @@ class PipelineSpace(SearchSpace):
     schedules: tuple[str, ...] = ("gpipe", "1f1b")
     max_microbatches: int = 64
     zeros: tuple[int, ...] = (0,)
+    tps: tuple[int, ...] = (1,)
+    """Tensor-parallel degrees to try (the model's TP_PLAN; keep them within a node)."""
+    eps: tuple[int, ...] = (1,)
+    """Expert-parallel degrees to try, over `expert_regions` (regions with piper.Experts)."""
+    expert_regions: tuple[str, ...] = ()
 
     def grid(self) -> Mapping[str, Sequence[Any]]:
         pps = [p for p in divisors(self.gpus) if p <= len(self.regions)]
         mbs = [m for m in divisors(self.batch_size) if m <= self.max_microbatches]
-        return {"pp": pps, "microbatches": mbs, "schedule": list(self.schedules),
-                "zero": list(self.zeros)}
+        g: dict[str, Sequence[Any]] = {"pp": pps, "microbatches": mbs,
+                                       "schedule": list(self.schedules),
+                                       "zero": list(self.zeros)}
+        if self.tps != (1,):
+            g["tp"] = [t for t in self.tps if self.gpus % t == 0]
+        if self.eps != (1,):
+            g["ep"] = list(self.eps)
+        return g
 
-    def suggest(self, trial: TrialLike) -> Program:
-        g = self.grid()
-        return self.program(**{k: trial.suggest_categorical(k, v) for k, v in g.items()})
+    def sample(self, trial: TrialLike) -> dict[str, Any]:
+        keys = self.grid().keys()
+        point = conditional.sample(trial, SAMPLE_ORDER, _feasible_tuples(self))
+        return {k: v for k, v in point.items() if k in keys}
 
-    def program(self, **params: Any) -> Program:
-        pp, m, sched = params["pp"], params["microbatches"], params["schedule"]
-        zero = params.get("zero", 0)
+    def points(self) -> list[dict[str, Any]]:
+        keys = list(self.grid())
+        return [{k: dict(zip(_NAMES, t, strict=True))[k] for k in keys}
+                for t in _feasible_tuples(self, grid_order=True)]
+
+    def check(self, **params: Any) -> None:
+        reason = self.violation(**params)
+        if reason:
+            raise Infeasible(reason)
+
+    def violation(self, *, pp: int, microbatches: int, schedule: str, zero: int = 0,
+                  tp: int = 1, ep: int = 1) -> str | None:
+        """Why the point is not a valid strategy, or None; no Program is built."""
+        m, sched = microbatches, schedule
         per_device = VIRTUAL.get(sched, 1)
         if pp * per_device > len(self.regions):
-            raise Infeasible(f"pp={pp} x {per_device} stages exceeds the {len(self.regions)} "
-                             "regions")
-        if self.gpus % pp:
-            raise Infeasible(f"pp={pp} does not divide {self.gpus} devices")
-        dp = self.gpus // pp
+            return f"pp={pp} x {per_device} stages exceeds the {len(self.regions)} regions"
+        if self.gpus % (pp * tp):
+            return f"pp={pp} x tp={tp} does not divide {self.gpus} devices"
+        dp = self.gpus // (pp * tp)
+        if dp % ep:
+            return f"ep={ep} does not divide dp={dp}"
+        if tp > 1 and ep > 1:
+            return "tensor and expert parallelism together are not supported yet"
         if self.batch_size % (dp * m):
-            raise Infeasible(f"dp={dp} x microbatches={m} does not divide batch "
-                             f"{self.batch_size}")
+            return f"dp={dp} x microbatches={m} does not divide batch {self.batch_size}"
         if zero and dp == 1:
-            raise Infeasible("ZeRO shards over data-parallel replicas; dp=1 has none")
-        if zero == 3 and sched in SPLIT_BACKWARD:
-            raise Infeasible(f"{sched} splits the backward, which ZeRO-3 does not support yet")
+            return "ZeRO shards over data-parallel replicas; dp=1 has none"
         if sched == "interleaved-1f1b" and m % pp:
-            raise Infeasible(f"interleaved-1f1b needs microbatches ({m}) divisible by pp={pp}")
+            return f"interleaved-1f1b needs microbatches ({m}) divisible by pp={pp}"
         if sched == "dualpipev" and m < 2 * pp:
-            raise Infeasible(f"dualpipev needs at least 2 x pp = {2 * pp} microbatches")
-        return schedules.build(sched, self.stages(pp * per_device), microbatches=m, dp=dp,
-                               pp=pp, zero=zero)
+            return f"dualpipev needs at least 2 x pp = {2 * pp} microbatches"
+        return None
+
+    def program(self, **params: Any) -> Program:
+        self.check(**params)
+        pp, m, sched = params["pp"], params["microbatches"], params["schedule"]
+        zero, tp, ep = params.get("zero", 0), params.get("tp", 1), params.get("ep", 1)
+        dp = self.gpus // (pp * tp)
+        prog = schedules.build(sched, self.stages(pp * VIRTUAL.get(sched, 1)), microbatches=m,
+                               dp=dp, pp=pp, zero=zero)
+        return schedules.shard(prog, tp=tp, ep=ep, expert_regions=self.expert_regions)
 
     def stages(self, n: int) -> list[list[str]]:
-        return [[self.regions[i] for i in r] for r in balanced_stages(self.region_costs, n)]
+        return [list(s) for s in _stages(self.regions, self.region_costs, n)]
+
+
+_NAMES = tuple(d.name for d in SAMPLE_ORDER)
+
+
+@functools.cache
+def _stages(regions: tuple[str, ...], costs: tuple[float, ...], n: int
+            ) -> tuple[tuple[str, ...], ...]:
+    """Balanced stage boundaries, memoised: the exact cut is O(n x regions^2)."""
+    return tuple(tuple(regions[i] for i in r) for r in balanced_stages(costs, n))
+
+
+@functools.cache
+def _feasible_tuples(space: PipelineSpace, grid_order: bool = False
+                     ) -> tuple[tuple[Any, ...], ...]:
+    """Every valid point as values of SAMPLE_ORDER (once per space: thousands of cheap
+    checks); `grid_order` lists them in the grid's order instead of sampling order."""
+    g = dict(space.grid())
+    g.setdefault("tp", [1])
+    g.setdefault("ep", [1])
+    keys = list(space.grid()) + [k for k in ("tp", "ep") if k not in space.grid()]
+    order = keys if grid_order else list(_NAMES)
+    out = []
+    for values in itertools.product(*(g[k] for k in order)):
+        point = dict(zip(order, values, strict=True))
+        if space.violation(**point) is None:
+            out.append(tuple(point[k] for k in _NAMES))
+    return tuple(out)
+
+
+def model_space(graph: ModelGraph, region_costs: tuple[float, ...], gpus: int,
+                batch_size: int, gpus_per_node: int) -> PipelineSpace:
+    """Every schedule and ZeRO stage, plus the tensor-parallel degrees the model's TP_PLAN
+    allows within one node and the expert-parallel degrees its experts allow."""
+    tps = [1]
+    if graph.tp_plan:
+        targets = plan_targets(graph.tp_plan, dict(graph.linears))
+        shapes = dict(graph.linears)
+        tps += [t for t in divisors(min(gpus, gpus_per_node)) if t > 1 and all(
+            check_divisible(shapes[n], style, parts, t) is None
+            for n, (style, parts) in targets.items())]
+    eps = [1]
+    if graph.experts:
+        counts = math.gcd(*(count for _, count, _ in graph.experts))
+        eps += [e for e in divisors(counts) if 1 < e <= gpus]
+    return PipelineSpace(graph.names, region_costs, gpus, batch_size, schedules=ALL_SCHEDULES,
+                         zeros=(0, 1, 2, 3), tps=tuple(tps), eps=tuple(eps),
+                         expert_regions=graph.expert_regions)

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import KW_ONLY, dataclass, replace
+import itertools
+from dataclasses import KW_ONLY, dataclass
 
 import networkx as nx
 
@@ -28,6 +29,11 @@ class Replicate(Directive):
         zero=3  AG_F(s,m) -> F(s,m),  AG_B(s,m) -> B(s,m)  + parameters sharded: gathered
                 B(s,m) -> RS(s,m) -> U(s)                    before every chunk, freed after
 
+    With SplitBackward, W(s,m) takes B's place before the reduce-scatter, and ZeRO-3 gathers
+    only before I: AG_B(s,m) -> I(s,m) -> W(s,m) -> RS(s,m). W reads no parameters (it
+    multiplies what I kept: each matmul's input and output gradient, see
+    `runtime.weight_grad`), so the parameters are freed right after I.
+
     ZeRO-2 and -3 act per microbatch, so they compose with any pipeline schedule.
     """
 
@@ -43,19 +49,22 @@ class Replicate(Directive):
             raise DirectiveError(index, self, f"zero must be 0, 1, 2 or 3, got {self.zero!r}")
         if dag.dp != 1 or dag.ordered:
             raise DirectiveError(index, self, "Replicate must come once, before Order")
-        if self.zero == 3 and any(n.kind is Kind.BWD_I for n in dag.graph.nodes):
-            raise DirectiveError(index, self, "ZeRO-3 with SplitBackward is not supported yet")
         g = nx.DiGraph()
+        edges = list(dag.graph.edges(data=True))
         for r in range(self.degree):
-            for u, v, attrs in dag.graph.edges(data=True):
-                uu, vv = replace(u, replica=r), replace(v, replica=r)
+            copy = {n: Node(n.kind, n.stage, n.mb, r, n.src, n.dst, n.grad)
+                    for n in dag.graph.nodes}
+            before = len(g)
+            for u, v, attrs in edges:
+                uu, vv = copy[u], copy[v]
                 if uu.kind.ends_backward and vv.kind is Kind.UPDATE:
                     nx.add_path(g, [uu, *self._between(uu), vv], kind="data")
                 else:
                     g.add_edge(uu, vv, **attrs)
-            for n in [n for n in g.nodes if n.replica == r]:
-                if self.zero == 3 and n.kind in (Kind.FWD, Kind.BWD):
-                    ag = Node(Kind.ALL_GATHER, n.stage, n.mb, r, grad=n.kind is Kind.BWD)
+            # this replica's nodes are exactly those just added (a scan of all is O(dp^2))
+            for n in list(itertools.islice(g.nodes, before, None)):
+                if self.zero == 3 and n.kind in (Kind.FWD, Kind.BWD, Kind.BWD_I):
+                    ag = Node(Kind.ALL_GATHER, n.stage, n.mb, r, grad=n.kind is not Kind.FWD)
                     g.add_edge(ag, n, kind="data")
                 if self.zero in (1, 2) and n.kind is Kind.UPDATE:
                     g.add_edge(n, Node(Kind.ALL_GATHER, n.stage, replica=r), kind="data")

@@ -88,3 +88,54 @@ def test_direct_construction_validates_figures() -> None:
 def test_node_of_fills_nodes_in_rank_order() -> None:
     spec = CATALOG["h200"]
     assert [spec.node_of(r) for r in (0, 7, 8, 15, 16)] == [0, 0, 1, 1, 2]
+
+
+# ---- measured figures: per-kind alpha-beta tables and the extra fields round-trip ----------
+def _measured() -> ClusterSpec:
+    from cost_models.cluster import AlphaBeta
+
+    return ClusterSpec(**(asdict(CATALOG["cpu"]) | {
+        "name": "box", "cores_per_node": 1.5, "matmul_half_flops": 1.2e5,
+        "op_overhead_s": 2e-5, "backward_op_overhead_s": 3e-5,
+        "optimizer_tensor_overhead_s": 4e-5, "comm_compute_contention": 0.1,
+        "all_reduce": AlphaBeta(latency=1e-4, bandwidth=9e8),
+        "all_gather": AlphaBeta(latency=2e-4, bandwidth=5e8),
+        "p2p": AlphaBeta(latency=5e-5, bandwidth=float("inf"))}))
+
+
+def test_a_measured_spec_round_trips_with_its_alpha_beta_tables(tmp_path: Path) -> None:
+    spec = _measured()
+    text = to_toml(spec)
+    assert "all_reduce = { latency = 0.0001, bandwidth = 900000000.0 }" in text
+    assert "reduce_scatter" not in text  # None fields are left out
+    assert load_cluster(_write(tmp_path, text, "box.toml")) == spec
+
+
+@pytest.mark.parametrize("line", [
+    "all_reduce = 3.0",
+    "all_reduce = { latency = 1e-4 }",
+    "all_reduce = { latency = -1.0, bandwidth = 1e9 }",
+    "all_reduce = { latency = 1e-4, bandwidth = 0 }",
+])
+def test_a_malformed_alpha_beta_table_names_the_field(line: str, tmp_path: Path) -> None:
+    with pytest.raises(PiperError) as e:
+        load_cluster(_write(tmp_path, MINIMAL + line + "\n"))
+    assert "all_reduce" in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("field", ["cores_per_node", "op_overhead_s", "bf16_flops",
+                                   "comm_compute_contention"])
+def test_negative_measured_figures_are_refused(field: str) -> None:
+    with pytest.raises(PiperError, match=field):
+        ClusterSpec(**(asdict(CATALOG["cpu"]) | {field: -1.0}))
+
+
+@pytest.mark.parametrize("name", GPUS)
+def test_gpu_entries_say_which_figures_are_datasheet_and_which_assumed(name: str) -> None:
+    src = CATALOG[name].source
+    assert "datasheet" in src and "assumed" in src and "compute_efficiency" in src
+    assert CATALOG[name].bf16_flops > CATALOG[name].flops
+
+
+def test_the_cpu_entry_says_it_is_not_measured() -> None:
+    assert "not measured" in CATALOG["cpu"].source and "profile" in CATALOG["cpu"].source

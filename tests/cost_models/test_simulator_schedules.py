@@ -8,11 +8,24 @@ from collections.abc import Callable
 
 import pytest
 
-from cost_models import CATALOG, ClusterSpec, ModelCosts, predicted_json, simulate
+import piper
+from cost_models import (
+    CATALOG,
+    ClusterSpec,
+    ModelCosts,
+    TaskCosts,
+    predicted_json,
+    simulate,
+    task_costs,
+)
 from cost_models.memory import static_bytes
+from cost_models.simulator import Prediction
+from piper import schedules
 from piper.dag import Kind
-from runtime.dryrun import Span
+from runtime.dryrun import Span, dry_run
 from runtime.plan import Plan
+from runtime.scheduler import schedule
+from tests.cost_models.conftest import MICROBATCH, STAGES
 
 LAYERS = 4  # examples/gpt.py CONFIGS["tiny"]; STAGES puts LAYERS / pp of them on each stage
 
@@ -102,9 +115,129 @@ def test_predicted_json_has_the_cli_keys_and_serialises(make_plan: Callable[...,
     json.dumps(out)
 
 
-def test_repeated_simulation_is_served_from_the_cache(make_plan: Callable[..., Plan],
-                                                      costs: ModelCosts) -> None:
-    plan = make_plan("1f1b", pp=4, microbatches=4)
-    c = CATALOG["h200"]
-    assert simulate(plan, costs, c, 2) is simulate(plan, costs, c, 2)
-    assert simulate(plan, costs, c, 2) is not simulate(plan, costs, c, 4)
+# ---- closed forms of the other schedules ----------------------------------------------------
+# Uniform chunk times: every stage's forward takes F = 1 s and its backward B = 2 s, split
+# by SplitBackward into I = W = 1 s (TaskCosts prices each half at B / 2); messages are free.
+F, B, W = 1.0, 2.0, 1.0
+TINY_STAGES = {  # the tiny GPT's six regions cut into n stages; costs come from `uniform_chunks`
+    3: [["embed", "layer.0"], ["layer.1", "layer.2"], ["layer.3", "head"]],
+    6: [["embed"], ["layer.0"], ["layer.1"], ["layer.2"], ["layer.3"], ["head"]],
+}
+
+
+@pytest.fixture(scope="module")
+def chunk_plan(captured: piper.Captured) -> Callable[..., Plan]:
+    """`chunk_plan("dualpipev", pp=2, stages=4, microbatches=4)`: a scheduled Plan."""
+    dag0 = piper.single_device_dag(captured.graph)
+    cuts = {2: STAGES[2], 4: STAGES[4], **TINY_STAGES}
+
+    def build(name: str, *, pp: int, stages: int, microbatches: int) -> Plan:
+        prog = schedules.build(name, cuts[stages], microbatches=microbatches, pp=pp)
+        return schedule(prog.apply(dag0))
+    return build
+
+
+def uniform_chunks(plan: Plan, cluster: ClusterSpec) -> TaskCosts:
+    n = len(plan.stage_regions)
+    return TaskCosts(cluster=cluster, forward_s=(F,) * n, backward_s=(B,) * n,
+                     update_s=(0.0,) * n, gradient_bytes=(0,) * n,
+                     value_bytes=tuple((v.name, 0) for v in plan.model.values))
+
+
+def predict(plan: Plan, costs: ModelCosts, cluster: ClusterSpec) -> Prediction:
+    return simulate(plan, costs, cluster, MICROBATCH, durations=uniform_chunks(plan, cluster))
+
+
+@pytest.mark.parametrize(("pp", "v"), [(2, 2), (3, 2), (2, 3)])
+@pytest.mark.parametrize("rounds", [1, 2, 4])
+def test_interleaved_1f1b_bubble_shrinks_by_the_virtual_stages(
+        chunk_plan: Callable[..., Plan], costs: ModelCosts,
+        ideal_cluster: Callable[..., ClusterSpec], pp: int, v: int, rounds: int) -> None:
+    """Megatron's interleaved 1F1B: with F, B per chunk (a stage holds 1/v of a device's
+    layers), every device idles (p-1)(F+B), so step = (m·v + p - 1)(F+B) and the bubble over
+    the ideal m·v·(F+B) is (p-1)/(v·m) — 1F1B's (p-1)/m divided by v."""
+    m = rounds * pp  # the schedule needs a multiple of pp; m == pp is all warm-up
+    pred = predict(chunk_plan("interleaved-1f1b", pp=pp, stages=pp * v, microbatches=m),
+                   costs, ideal_cluster())
+    ideal = m * v * (F + B)
+    assert pred.step_time_s == pytest.approx((m * v + pp - 1) * (F + B), abs=1e-9)
+    assert (pred.step_time_s - ideal) / ideal == pytest.approx((pp - 1) / (v * m), abs=1e-9)
+    assert pred.idle_s == pytest.approx(((pp - 1) * (F + B),) * pp)
+    assert pred.bubble_fraction == pytest.approx((pp - 1) / (m * v + pp - 1), abs=1e-9)
+
+
+@pytest.mark.parametrize("pp", [2, 3])
+@pytest.mark.parametrize("rounds", [1, 2, 4])
+def test_zb1p_bubble_is_the_zero_bubble_papers_zb_h1(
+        chunk_plan: Callable[..., Plan], costs: ModelCosts,
+        ideal_cluster: Callable[..., ClusterSpec], pp: int, rounds: int) -> None:
+    """ZB-H1 (Qi et al. 2024; DeepSeek-V3's table writes it with B the full backward):
+    bubble (p-1)(F + B - 2W) per device, a third of 1F1B's (p-1)(F+B) when F = I = W.
+    Input gradients travel back at I per hop, and each device runs its delayed W passes in
+    what 1F1B leaves idle."""
+    m = rounds * pp
+    pred = predict(chunk_plan("zb1p", pp=pp, stages=pp, microbatches=m), costs,
+                   ideal_cluster())
+    bubble = (pp - 1) * (F + B - 2 * W)
+    assert pred.step_time_s == pytest.approx(m * (F + B) + bubble, abs=1e-9)
+    assert pred.idle_s == pytest.approx((bubble,) * pp)
+
+
+@pytest.mark.parametrize("pp", [2, 3])
+@pytest.mark.parametrize("extra", [0, 1, 6])
+def test_dualpipev_bubble_with_sequential_forward_backward_pairs(
+        chunk_plan: Callable[..., Plan], costs: ModelCosts,
+        ideal_cluster: Callable[..., ClusterSpec], pp: int, extra: int) -> None:
+    """DualPipeV on pp devices (2·pp stages in a V). DeepSeek-V3's table gives the bubble
+    (PP/2 - 1)(F&B + B - 3W) with PP = 2·pp stages, where F&B is a forward and a backward
+    chunk running overlapped. Our runtime runs each pair one after the other on the compute
+    stream, so F&B = F + B here, and with F = I = W the table's figure (pp-1)(F + 2B - 3W) is
+    an upper bound, not what the schedule does: its phases are the reference DualPipeV order,
+    and run sequentially every device idles exactly (pp-1)(F + B - 2W), ZB-H1's bubble with
+    half the devices per stage count, whatever the number of microbatches."""
+    stages, m = 2 * pp, 2 * pp + extra  # the schedule needs m >= 2·pp
+    pred = predict(chunk_plan("dualpipev", pp=pp, stages=stages, microbatches=m), costs,
+                   ideal_cluster())
+    bubble = (pp - 1) * (F + B - 2 * W)
+    assert pred.idle_s == pytest.approx((bubble,) * pp, abs=1e-9)
+    assert pred.step_time_s == pytest.approx(2 * m * (F + B) + bubble, abs=1e-9)
+    f_and_b = F + B  # sequential, not overlapped
+    assert bubble <= (stages // 2 - 1) * (f_and_b + B - 3 * W)
+
+
+def test_busy_and_idle_add_up_to_the_step_on_every_rank_and_stream(
+        make_plan: Callable[..., Plan], costs: ModelCosts) -> None:
+    plan = make_plan("1f1b", pp=2, microbatches=4, dp=2)
+    pred = simulate(plan, costs, CATALOG["a100-40gb"], 2)
+    step = pred.step_time_s
+    assert [(u.rank, u.stream) for u in pred.streams] == [
+        (rp.rank, s) for rp in plan.ranks for s, _ in rp.streams]
+    for u in pred.streams:
+        mine = [s for s in pred.spans if (s.rank, s.stream) == (u.rank, u.stream)]
+        ran = sum(s.end - s.start for s in mine if s.task.kind is not Kind.RECV)
+        assert u.busy_s == pytest.approx(ran) and u.busy_s + u.idle_s == pytest.approx(step)
+    for rp, busy, idle in zip(plan.ranks, pred.busy_s, pred.idle_s, strict=True):
+        math = sum(s.end - s.start for s in pred.spans
+                   if s.rank == rp.rank and s.task.kind.is_compute)
+        assert busy == pytest.approx(math) and busy + idle == pytest.approx(step)
+    assert pred.bubble_fraction == pytest.approx(sum(pred.idle_s) / step / len(plan.ranks))
+
+
+def test_timeline_does_not_depend_on_the_order_streams_are_visited(
+        captured: piper.Captured, costs: ModelCosts) -> None:
+    """The dry run is event driven: listing ranks (and so visiting streams) in another order
+    gives every task the same start and end, with waits across streams, P2P messages and
+    data-parallel collectives all in play."""
+    dag0 = piper.single_device_dag(captured.graph)
+    prog = schedules.build("zb1p", TINY_STAGES[3], microbatches=6, dp=2, zero=2)
+    prog = piper.Program([*prog.directives, piper.Stream("RS AG", stream="comm")],
+                         name=prog.name)
+    plan = schedule(prog.apply(dag0))
+    tc = task_costs(plan, costs, CATALOG["a100-40gb"], MICROBATCH)
+    flipped = dataclasses.replace(plan, ranks=plan.ranks[::-1])
+
+    def times(p: Plan) -> list[tuple]:
+        return sorted((s.rank, s.stream, s.task.name, s.start, s.end)
+                      for s in dry_run(p, tc.duration, tc.transfer))
+    assert any(t.after for rp in plan.ranks for t in rp.tasks)
+    assert times(flipped) == times(plan)

@@ -143,8 +143,8 @@ def test_place_of_one_stage_on_two_devices_raises(dag0: TrainingDAG) -> None:
 def test_split_before_place_raises_phase_order_error(dag0: TrainingDAG) -> None:
     prog = Program([Split(2), *(Place(tuple(r), stage=s, device=s)
                                 for s, r in enumerate(STAGES[2]))])
-    with pytest.raises(piper.DirectiveError, match="in the order Place, Split, SplitBackward, Replicate, Order/Stream"
-                       ) as e:
+    with pytest.raises(piper.DirectiveError, match="in the order Place, Split, SplitBackward, "
+                       "Replicate/Shard/ShardTensor, Order/Stream") as e:
         prog.apply(dag0)
     assert e.value.index == 1
     assert isinstance(e.value.directive, Place)
@@ -267,6 +267,36 @@ def test_replicate_zero_inserts_its_collectives(dag0: TrainingDAG, zero: int, s:
         for n in dag.nodes(Kind.FWD) + dag.nodes(Kind.BWD):
             ag = [p for p in dag.graph.predecessors(n) if p.kind is Kind.ALL_GATHER]
             assert len(ag) == 1 and ag[0].grad == (n.kind is Kind.BWD)
+
+
+@pytest.mark.parametrize("split", [False, True])
+@pytest.mark.parametrize(("s", "m", "d"), [(2, 1, 2), (2, 3, 2), (3, 4, 4)])
+def test_zero3_gathers_before_forward_and_input_backward_only(
+        dag0: TrainingDAG, s: int, m: int, d: int, split: bool) -> None:
+    """Per stage, microbatch and replica ZeRO-3 adds two gathers (before F, before B or I)
+    and one reduce-scatter (after B or W), each with one edge in and out except the gathers'
+    one out: nodes D(N + 3MS), edges D(E + 3MS) over the unreplicated DAG's N and E. W reads
+    no parameters, so nothing is gathered for it."""
+    base = [x for x in schedules.gpipe(STAGES[s], microbatches=m).directives
+            if isinstance(x, Place | Split)] + ([piper.SplitBackward()] if split else [])
+    plain = Program(base).apply(dag0)
+    dag = Program([*base, Replicate(d, zero=3)]).apply(dag0)
+    n, e = plain.graph.number_of_nodes(), plain.graph.number_of_edges()
+    assert dag.graph.number_of_nodes() == d * (n + 3 * m * s)
+    assert dag.graph.number_of_edges() == d * (e + 3 * m * s)
+    g = dag.graph
+    for node in dag.graph.nodes:
+        ag = [p for p in g.predecessors(node) if p.kind is Kind.ALL_GATHER]
+        if node.kind in (Kind.FWD, Kind.BWD, Kind.BWD_I):
+            assert len(ag) == 1 and ag[0].grad == (node.kind is not Kind.FWD)
+            assert (ag[0].stage, ag[0].mb, ag[0].replica) == (node.stage, node.mb, node.replica)
+        else:
+            assert not ag, node
+        if node.kind.ends_backward:
+            rs = [x for x in g.successors(node) if x.kind is Kind.REDUCE_SCATTER]
+            assert len(rs) == 1 and rs[0].mb == node.mb
+    assert len(dag.nodes(Kind.BWD_W)) == (d * s * m if split else 0)
+    verify(dag)
 
 
 def test_replicate_after_order_raises(dag0: TrainingDAG) -> None:

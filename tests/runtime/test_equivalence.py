@@ -36,6 +36,13 @@ CASES = {
                            "--schedule", "zb1p", "--microbatches", "4"],
     "pp2_dualpipev": ["--gpus", "2", "--pp", "2", "--schedule", "dualpipev",
                       "--microbatches", "4"],
+    # ZeRO-3 with a split backward: gathered for F and I, W needs no parameters
+    "pp2_dp2_zero3_zb1p": ["--gpus", "4", "--pp", "2", "--dp", "2", "--zero", "3",
+                           "--schedule", "zb1p", "--microbatches", "4"],
+    "pp2_dp2_zero3_dualpipev": ["--gpus", "4", "--pp", "2", "--dp", "2", "--zero", "3",
+                                "--schedule", "dualpipev", "--microbatches", "4"],
+    "tied_pp2_dp2_zero3_dualpipev": ["--gpus", "4", "--pp", "2", "--dp", "2", "--zero", "3",
+                                     "--schedule", "dualpipev", "--microbatches", "4"],
     "pp2_dp2_zero1_dualpipev": ["--gpus", "4", "--pp", "2", "--dp", "2", "--zero", "1",
                                 "--schedule", "dualpipev", "--microbatches", "4"],
     "dp2_comm_stream": ["--gpus", "2", "--dp", "2", "--microbatches", "2", "--comm-stream"],
@@ -50,13 +57,36 @@ CASES = {
     "pp2_interleaved_v3_dp2": ["--gpus", "4", "--pp", "2", "--dp", "2", "--schedule",
                                "interleaved-1f1b", "--virtual-stages", "3",
                                "--microbatches", "2"],
+    # tensor parallelism (examples/gpt.py's TP_PLAN: Megatron column/row pairs)
+    "tp2": ["--gpus", "2", "--tp", "2", "--microbatches", "2"],
+    "tp2_pp2_1f1b": ["--gpus", "4", "--tp", "2", "--pp", "2", "--microbatches", "4"],
+    "tp2_dp2_zero3": ["--gpus", "4", "--tp", "2", "--dp", "2", "--zero", "3",
+                      "--microbatches", "2"],
+    "tp2_pp2_zb1p": ["--gpus", "4", "--tp", "2", "--pp", "2", "--schedule", "zb1p",
+                     "--microbatches", "4"],
+    # expert parallelism (examples/moe.py: top-2 of 4 routed experts per layer)
+    "moe_ep2_dp2": ["--gpus", "2", "--dp", "2", "--ep", "2"],
+    "moe_ep2_dp4_zero2": ["--gpus", "4", "--dp", "4", "--ep", "2", "--zero", "2"],
+    "moe_ep2_pp2_dp2_zero3_interleaved": ["--gpus", "4", "--pp", "2", "--dp", "2", "--ep", "2",
+                                          "--zero", "3", "--schedule", "interleaved-1f1b",
+                                          "--virtual-stages", "2", "--microbatches", "2"],
+    "moe_ep2_pp2_dp2_dualpipev": ["--gpus", "4", "--pp", "2", "--dp", "2", "--ep", "2",
+                                  "--schedule", "dualpipev", "--microbatches", "4"],
+    "moe_pp2_dp2_zero3_zb1p": ["--gpus", "4", "--pp", "2", "--dp", "2", "--zero", "3",
+                               "--schedule", "zb1p", "--microbatches", "4"],
+    # Llama: RoPE, grouped-query attention (4 query / 2 key-value heads), SwiGLU
+    "llama_tp2_pp2": ["--gpus", "4", "--tp", "2", "--pp", "2", "--microbatches", "2"],
 }
 
+MOE = [str(ROOT / "examples" / "moe.py"), *TINY]
 # cases on another model: [model file, --model-arg, KEY=VALUE, ...]
 OTHER_MODEL = {
+    **{case: MOE for case in CASES if case.startswith("moe_")},
+    "llama_tp2_pp2": [str(ROOT / "examples" / "llama.py"), *TINY],
     "tied_pp2_1f1b": [GPT, *TINY, "--model-arg", "tie=true"],
     "tied_pp2_dp2_zero3": [GPT, *TINY, "--model-arg", "tie=true"],
     "tied_pp2_interleaved": [GPT, *TINY, "--model-arg", "tie=true"],
+    "tied_pp2_dp2_zero3_dualpipev": [GPT, *TINY, "--model-arg", "tie=true"],
     "skip_pp4": [str(ROOT / "tests" / "models" / "skip_mlp.py")],
 }
 
@@ -97,7 +127,8 @@ def test_hand_written_strategy_file_runs(ray_session, capsys, tmp_path):
     events = json.loads(trace.read_text())["traceEvents"]
     names = {e["name"] for e in events if e["ph"] == "X"}
     assert {"F0.0", "B1.3", "U0", "U1"} <= names
-    assert any(e["ph"] == "s" for e in events), "flow arrows from sends to receives"
+    assert any(e.get("flow_out") for e in events), "flow arrows from sends to receives"
+    assert any(e.get("flow_in") for e in events)
 
 
 def test_different_seed_changes_losses(ray_session, capsys):

@@ -30,7 +30,7 @@ def space(gpus: int, batch_size: int, **kw: Any) -> PipelineSpace:
 
 
 class FirstChoiceTrial:
-    """Picks the first choice of every parameter and remembers what it was asked."""
+    """Picks the first choice (or the low end) of every parameter, remembering what it saw."""
 
     def __init__(self) -> None:
         self.asked: dict[str, list[Any]] = {}
@@ -38,6 +38,10 @@ class FirstChoiceTrial:
     def suggest_categorical(self, name: str, choices: Sequence[Any]) -> Any:
         self.asked[name] = list(choices)
         return choices[0]
+
+    def suggest_float(self, name: str, low: float, high: float) -> float:
+        self.asked[name] = [low, high]
+        return low
 
 
 def test_grid_lists_pp_dividing_gpus_up_to_the_region_count() -> None:
@@ -60,8 +64,9 @@ def test_full_space_rules_out_points_no_schedule_can_run(dag0: TrainingDAG) -> N
             assert len(dag.stages) == 2 * p["pp"]
         if p["schedule"] == "dualpipev":
             assert p["microbatches"] >= 2 * p["pp"]
-        assert not (p["zero"] == 3 and p["schedule"] in ("zb1p", "dualpipev"))
     assert {p["schedule"] for p, _ in points} == set(ALL_SCHEDULES)
+    # ZeRO-3 composes with the split backward of the zero-bubble schedules
+    assert {p["schedule"] for p, _ in points if p["zero"] == 3} == set(ALL_SCHEDULES)
     with pytest.raises(Infeasible, match="at least 2 x pp = 4 microbatches"):
         sp.program(pp=2, microbatches=2, schedule="dualpipev", zero=0)
     with pytest.raises(Infeasible, match="dp=1 has none"):
@@ -99,7 +104,7 @@ def test_enumerate_skips_exactly_the_infeasible_grid_points() -> None:
 
 
 @pytest.mark.parametrize("params, msg", [
-    ({"pp": 3, "microbatches": 1, "schedule": "gpipe"}, "pp=3 does not divide 4 devices"),
+    ({"pp": 3, "microbatches": 1, "schedule": "gpipe"}, "pp=3 x tp=1 does not divide 4 devices"),
     ({"pp": 1, "microbatches": 4, "schedule": "1f1b"},
      "dp=4 x microbatches=4 does not divide batch 8"),
 ])
@@ -115,26 +120,84 @@ def test_program_cuts_stages_by_balanced_region_cost() -> None:
     assert prog == schedules.gpipe(sp.stages(2), microbatches=2, dp=2)
 
 
-def test_suggest_asks_every_grid_parameter_and_builds_that_point(dag0: TrainingDAG) -> None:
-    sp = space(gpus=4, batch_size=8)
+def test_suggest_asks_categories_then_degree_positions_and_builds_that_point(
+        dag0: TrainingDAG) -> None:
+    sp = space(gpus=4, batch_size=8, zeros=(0, 1))
     trial = FirstChoiceTrial()
     prog = sp.suggest(trial)
-    assert trial.asked == {k: list(v) for k, v in sp.grid().items()}
-    assert prog == sp.program(pp=1, microbatches=1, schedule="gpipe")
+    assert trial.asked == {"schedule": ["gpipe", "1f1b"], "zero": [0, 1],
+                           "pp_quantile": [0.0, 1.0], "microbatches_quantile": [0.0, 1.0]}
+    assert prog == sp.program(pp=1, microbatches=1, schedule="gpipe", zero=0)
     assert prog.apply(dag0).world_size == 4
 
 
 def test_suggest_with_an_optuna_fixed_trial(dag0: TrainingDAG) -> None:
     sp = space(gpus=4, batch_size=8)
-    prog = sp.suggest(optuna.trial.FixedTrial({"pp": 2, "microbatches": 4, "schedule": "1f1b",
-                                               "zero": 0}))
+    # pp among 1, 2, 4; then with dp=2 the microbatches among 1, 2, 4: both pick the middle
+    prog = sp.suggest(optuna.trial.FixedTrial({"schedule": "1f1b", "pp_quantile": 0.5,
+                                               "microbatches_quantile": 0.5}))
     assert isinstance(prog, Program)
-    assert prog == schedules.one_f_one_b(sp.stages(2), microbatches=4, dp=2)
+    assert prog == schedules.one_f_one_b(sp.stages(2), microbatches=2, dp=2)
     assert prog.apply(dag0).world_size == 4
 
 
-def test_suggest_of_an_infeasible_point_raises_infeasible() -> None:
-    sp = space(gpus=4, batch_size=8)
-    with pytest.raises(Infeasible):
-        sp.suggest(optuna.trial.FixedTrial({"pp": 1, "microbatches": 8, "schedule": "gpipe",
-                                            "zero": 0}))
+@pytest.mark.parametrize("gpus, batch", [(8, 32), (6, 12), (16, 8)])
+def test_sampled_points_are_always_feasible_and_cover_the_space(gpus: int, batch: int) -> None:
+    from search_spaces.pipeline import ALL_SCHEDULES
+
+    sp = space(gpus, batch, schedules=ALL_SCHEDULES, zeros=(0, 1, 2, 3), tps=(1, 2))
+    feasible = sp.points()
+    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))
+    seen = set()
+    for _ in range(300):
+        trial = study.ask()
+        point = sp.sample(trial)  # would raise Infeasible for an invalid point
+        sp.check(**point)
+        dp = gpus // (point["pp"] * point["tp"])
+        assert point["zero"] == 0 or dp > 1, "ZeRO only with data-parallel replicas"
+        seen.add(tuple(sorted(point.items())))
+        study.tell(trial, 0.0)
+    assert len(seen) >= min(len(feasible), 300) // 3
+
+
+def test_points_are_exactly_the_valid_grid_points() -> None:
+    import itertools
+
+    sp = space(gpus=8, batch_size=16, zeros=(0, 1, 2), tps=(1, 2, 4))
+    grid = sp.grid()
+    valid = []
+    for values in itertools.product(*grid.values()):
+        p = dict(zip(grid, values))
+        try:
+            sp.program(**p)
+        except Infeasible:
+            continue
+        valid.append(p)
+    assert sp.points() == valid
+
+
+def test_tensor_parallel_points_shrink_the_pipeline_and_data_degrees(dag0: TrainingDAG) -> None:
+    s = space(8, 16, schedules=("1f1b",), tps=(1, 2, 4))
+    points = list(s.enumerate())
+    tps = {p["tp"] for p, _ in points}
+    assert tps == {1, 2, 4}
+    for params, prog in points:
+        dag = prog.apply(dag0)
+        assert dag.world_size == 8 and dag.sharding.tp == params["tp"]
+        assert prog.summary()["tp"] * prog.summary()["pp"] * prog.summary()["dp"] == 8
+
+
+def test_expert_parallel_points_split_replicas() -> None:
+    moe = piper.capture(load_model_file("examples/moe.py", (("size", "tiny"),)), 2).graph
+    s = PipelineSpace(regions=moe.names, region_costs=(1.0,) * len(moe.names), gpus=4,
+                      batch_size=16, schedules=("1f1b",), eps=(1, 2, 4),
+                      expert_regions=("experts.0", "experts.1"))
+    dag0 = piper.single_device_dag(moe)
+    seen = set()
+    for params, prog in s.enumerate():
+        dag = prog.apply(dag0)
+        assert dag.dp % dag.sharding.ep == 0
+        seen.add((params["pp"], params["ep"]))
+    assert (1, 4) in seen and (2, 2) in seen and (2, 4) not in seen
+    with pytest.raises(Infeasible, match="ep=4 does not divide dp=2"):
+        s.program(pp=2, microbatches=2, schedule="1f1b", ep=4)

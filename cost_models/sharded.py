@@ -1,0 +1,74 @@
+"""Costs of tensor and expert parallelism: the collectives inside chunks.
+
+With `ShardTensor` / `Shard` a chunk's math is the rank's slice (costed from a capture of the
+sharded model, whose matmuls have local shapes), and the chunk also waits for the in-graph
+collectives of `piper.collectives`: Megatron's g all-reduces the activation in forward, f
+all-reduces its gradient in backward, and expert all-to-alls run in both directions. Those
+are synchronous inside the chunk, so their time adds to its forward or backward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from cost_models import comm
+from cost_models.analytical import TaskCosts
+from cost_models.cluster import ClusterSpec
+from piper.capture import Captured
+from runtime.plan import Plan
+
+
+@dataclass(frozen=True)
+class InGraphComm:
+    """Per region: bytes (at the capture batch) of each in-graph collective, by direction."""
+
+    forward_all_reduce: tuple[tuple[int, ...], ...]
+    backward_all_reduce: tuple[tuple[int, ...], ...]
+    all_to_all: tuple[tuple[int, ...], ...]  # each runs once forward and once backward
+
+
+def in_graph_comm(captured: Captured) -> InGraphComm:
+    n = len(captured.graph.regions)
+    fwd: list[list[int]] = [[] for _ in range(n)]
+    bwd: list[list[int]] = [[] for _ in range(n)]
+    a2a: list[list[int]] = [[] for _ in range(n)]
+    into = {"tp_reduce": fwd, "tp_copy": bwd, "all_to_all": a2a}
+    for node in captured.program.graph.nodes:
+        op = getattr(node.target, "_schema", None)
+        if node.op != "call_function" or op is None or not op.name.startswith("piper::"):
+            continue
+        val = node.meta["val"]
+        into[op.name.removeprefix("piper::")][captured.node_region[node.name]].append(
+            val.numel() * val.element_size())
+    return InGraphComm(*(tuple(tuple(r) for r in lists) for lists in (fwd, bwd, a2a)))
+
+
+def all_to_all_time(nbytes: float, group: tuple[int, ...], cluster: ClusterSpec) -> float:
+    """Each rank keeps 1/p of its `nbytes` and exchanges the rest: (p-1)(alpha) + (p-1)/p n/beta."""
+    p = len(group)
+    if p <= 1:
+        return 0.0
+    latency, bandwidth = comm.link(cluster, group)
+    return (p - 1) * latency + (p - 1) / p * nbytes / bandwidth
+
+
+def with_in_graph_comm(tc: TaskCosts, plan: Plan, traffic: InGraphComm, cluster: ClusterSpec,
+                       microbatch_size: int) -> TaskCosts:
+    """`tc` with every chunk's in-graph collectives added, at `microbatch_size` samples."""
+    mesh = plan.mesh
+    tp_group, ep_group = mesh.tp_group(0), mesh.lift(mesh.ep_group(0), 0)
+    scale = microbatch_size / plan.model.batch
+    index = {r: i for i, r in enumerate(plan.model.names)}
+
+    def seconds(lists: tuple[tuple[int, ...], ...], regions: tuple[str, ...], kind: str) -> float:
+        sizes = [b * scale for r in regions for b in lists[index[r]]]
+        if kind == "a2a":
+            return sum(all_to_all_time(b, ep_group, cluster) for b in sizes)
+        return sum(comm.collective_time(comm.ALL_REDUCE, b, tp_group, cluster) for b in sizes)
+
+    fwd, bwd = [], []
+    for s, regions in enumerate(plan.stage_regions):
+        a2a = seconds(traffic.all_to_all, regions, "a2a")
+        fwd.append(tc.forward_s[s] + seconds(traffic.forward_all_reduce, regions, "ar") + a2a)
+        bwd.append(tc.backward_s[s] + seconds(traffic.backward_all_reduce, regions, "ar") + a2a)
+    return replace(tc, forward_s=tuple(fwd), backward_s=tuple(bwd))

@@ -1,0 +1,130 @@
+"""A Llama-style decoder for piper-plan: RMSNorm, rotary embeddings, grouped-query attention
+and a SwiGLU MLP. Regions `embed`, `layer` (numbered), `head`.
+
+    piper-plan search examples/llama.py --model-arg size=7b --gpus 16 --cluster h100-80gb
+    piper-plan run examples/llama.py --model-arg size=tiny --gpus 4 --device cpu --pp 2 \
+        --tp 2 --microbatches 2 --steps 3 --check
+
+Configs (`--model-arg size=...`): `tiny` for tests, `7b` (Llama-2-7B shapes), `70b`
+(Llama-2-70B: 8 key/value heads for 64 query heads). Written for tensor parallelism
+(`TP_PLAN`: heads and the MLP's hidden units split; reshapes use -1 for the local heads).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import piper
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    vocab: int
+    seq: int
+    dim: int
+    layers: int
+    heads: int
+    kv_heads: int
+    ffn: int
+    rope_theta: float = 10000.0
+
+
+CONFIGS = {
+    "tiny": LlamaConfig(vocab=128, seq=16, dim=32, layers=4, heads=4, kv_heads=2, ffn=64),
+    "7b": LlamaConfig(vocab=32000, seq=4096, dim=4096, layers=32, heads=32, kv_heads=32,
+                      ffn=11008),
+    "70b": LlamaConfig(vocab=32000, seq=4096, dim=8192, layers=80, heads=64, kv_heads=8,
+                       ffn=28672),
+}
+BATCH_SIZE = 32
+TP_PLAN = {
+    "layers.*.wq": "colwise",
+    "layers.*.wk": "colwise",
+    "layers.*.wv": "colwise",
+    "layers.*.wo": "rowwise",
+    "layers.*.w1": "colwise",
+    "layers.*.w3": "colwise",
+    "layers.*.w2": "rowwise",
+}
+_size = "7b"
+
+
+def rotate(x: torch.Tensor, theta: float) -> torch.Tensor:
+    """Rotary position embedding of x: [b, heads, t, head_dim], angles made on the fly."""
+    t, hd = x.shape[-2], x.shape[-1]
+    inv = theta ** (-torch.arange(0, hd, 2, device=x.device, dtype=torch.float32) / hd)
+    ang = torch.outer(torch.arange(t, device=x.device, dtype=torch.float32), inv)
+    cos, sin = ang.cos().to(x.dtype), ang.sin().to(x.dtype)
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
+
+
+class Block(nn.Module):
+    def __init__(self, c: LlamaConfig) -> None:
+        super().__init__()
+        self.c = c
+        hd = c.dim // c.heads
+        self.attn_norm = nn.RMSNorm(c.dim)
+        self.wq = nn.Linear(c.dim, c.heads * hd, bias=False)
+        self.wk = nn.Linear(c.dim, c.kv_heads * hd, bias=False)
+        self.wv = nn.Linear(c.dim, c.kv_heads * hd, bias=False)
+        self.wo = nn.Linear(c.heads * hd, c.dim, bias=False)
+        self.mlp_norm = nn.RMSNorm(c.dim)
+        self.w1 = nn.Linear(c.dim, c.ffn, bias=False)
+        self.w3 = nn.Linear(c.dim, c.ffn, bias=False)
+        self.w2 = nn.Linear(c.ffn, c.dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        c = self.c
+        hd = c.dim // c.heads
+        h = self.attn_norm(x)
+        q = rotate(self.wq(h).view(b, t, -1, hd).transpose(1, 2), c.rope_theta)
+        k = rotate(self.wk(h).view(b, t, -1, hd).transpose(1, 2), c.rope_theta)
+        v = self.wv(h).view(b, t, -1, hd).transpose(1, 2)
+        # fused attention (flash on GPUs): no t x t score matrix is kept for backward;
+        # enable_gqa lets each key/value head serve heads/kv_heads query heads
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        x = x + self.wo(y.transpose(1, 2).reshape(b, t, -1))
+        h = self.mlp_norm(x)
+        return x + self.w2(F.silu(self.w1(h)) * self.w3(h))
+
+
+class Llama(nn.Module):
+    def __init__(self, c: LlamaConfig) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(c.vocab, c.dim)
+        self.layers = nn.ModuleList(Block(c) for _ in range(c.layers))
+        self.norm = nn.RMSNorm(c.dim)
+        self.out = nn.Linear(c.dim, c.vocab, bias=False)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        with piper.annotate("embed"):
+            x = self.tok(idx)
+        for layer in self.layers:
+            with piper.annotate("layer"):
+                x = layer(x)
+        with piper.annotate("head"):
+            return self.out(self.norm(x))
+
+
+def build_model(size: str = "7b") -> Llama:
+    global _size
+    if size not in CONFIGS:
+        raise ValueError(f"size must be one of {sorted(CONFIGS)}, got {size!r}")
+    _size = size
+    return Llama(CONFIGS[size])
+
+
+def example_batch(batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    c = CONFIGS[_size]
+    tokens = torch.randint(0, c.vocab, (batch_size, c.seq + 1))
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))

@@ -1,0 +1,96 @@
+"""Collectives that live *inside* a chunk's graph: Megatron's f/g for tensor parallelism and
+the all-to-all of expert parallelism.
+
+They are `torch.library` custom ops with their own autograd formulas, so `torch.export`
+records each as one node (the captured graph keeps them; stage modules replay them) and
+backward runs the matching collective. An op names its group by a small integer key; each
+worker process binds its real process groups to the keys before running (`bind_group`).
+On meta tensors (capture, cost models) the ops are shape-preserving no-ops.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+TP_GROUP = 0  # the ranks that hold shards of the same tensor-parallel layers
+EP_GROUP = 1  # the ranks that exchange tokens for one set of experts
+
+_groups: dict[int, Any] = {}
+
+
+def bind_group(key: int, group: Any) -> None:
+    """Make the in-graph collectives with `key` run over `group` in this process."""
+    _groups[key] = group
+
+
+def _group(key: int) -> Any:
+    if key not in _groups:
+        raise RuntimeError(f"no process group bound to in-graph collective key {key}")
+    return _groups[key]
+
+
+def _all_reduce(x: torch.Tensor, key: int) -> torch.Tensor:
+    out = x.contiguous().clone()
+    dist.all_reduce(out, group=_group(key))
+    return out
+
+
+def _all_to_all(x: torch.Tensor, key: int) -> torch.Tensor:
+    src = x.contiguous()
+    out = torch.empty_like(src)
+    dist.all_to_all_single(out, src, group=_group(key))
+    return out
+
+
+# ---- f: identity forward, all-reduce backward (enters a column-parallel region) ---------
+@torch.library.custom_op("piper::tp_copy", mutates_args=())
+def tp_copy(x: torch.Tensor, group: int) -> torch.Tensor:
+    return x.clone()
+
+
+@tp_copy.register_fake
+def _(x: torch.Tensor, group: int) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+def _keep_group(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
+    ctx.group = inputs[1]
+
+
+tp_copy.register_autograd(lambda ctx, g: (_all_reduce(g, ctx.group), None),
+                          setup_context=_keep_group)
+
+
+# ---- g: all-reduce forward, identity backward (leaves a row-parallel region) ------------
+@torch.library.custom_op("piper::tp_reduce", mutates_args=())
+def tp_reduce(x: torch.Tensor, group: int) -> torch.Tensor:
+    return _all_reduce(x, group)
+
+
+@tp_reduce.register_fake
+def _(x: torch.Tensor, group: int) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+tp_reduce.register_autograd(lambda ctx, g: (g, None), setup_context=_keep_group)
+
+
+# ---- all-to-all over equal chunks of dim 0 (its own transpose, so also its backward) ----
+@torch.library.custom_op("piper::all_to_all", mutates_args=())
+def all_to_all(x: torch.Tensor, group: int) -> torch.Tensor:
+    return _all_to_all(x, group)
+
+
+@all_to_all.register_fake
+def _(x: torch.Tensor, group: int) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+all_to_all.register_autograd(lambda ctx, g: (_all_to_all(g, ctx.group), None),
+                             setup_context=_keep_group)
+
+IN_GRAPH_OPS = {"tp_copy": TP_GROUP, "tp_reduce": TP_GROUP, "all_to_all": EP_GROUP}
+"""Op name -> the group it runs over (cost models price these nodes as collectives)."""

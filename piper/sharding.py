@@ -1,0 +1,36 @@
+"""How a model's layers are split across ranks inside one chunk: tensor and expert parallelism.
+
+`ModelSharding` is what `ShardTensor` and `Shard` leave in the DAG and the Plan carries to
+workers. Applying it rewrites an `nn.Module` in place: on meta before capture (so the
+stage graphs have local shapes and the in-graph collectives) and on the real, seeded model
+in each worker (so every rank keeps exactly its slice of the single-device parameters).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+
+from piper.moe import shard_experts
+from piper.tensor_parallel import shard_linears
+
+
+@dataclass(frozen=True)
+class ModelSharding:
+    tp: int = 1
+    tp_plan: tuple[tuple[str, str], ...] = ()  # (module glob, style)
+    ep: int = 1
+    experts: tuple[str, ...] = ()  # names of the `Experts` modules EP splits
+
+    @property
+    def trivial(self) -> bool:
+        return self.tp == 1 and self.ep == 1
+
+    def describe(self) -> str:
+        return f"tp={self.tp} ep={self.ep}"
+
+    def apply(self, model: nn.Module, tp_rank: int, ep_rank: int) -> nn.Module:
+        shard_linears(model, self.tp_plan, self.tp, tp_rank)
+        shard_experts(model, self.experts, self.ep, ep_rank)
+        return model

@@ -1,0 +1,124 @@
+"""`piper-plan search`: capture, search, optionally measure the best few, write the outputs.
+
+Kept apart from `planner.cli` (argument parsing and the other commands) because it is the
+one command with many steps; each step is a library call.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from piper.errors import PiperError
+
+
+def search(args: argparse.Namespace) -> int:
+    from planner.cli import (
+        EXIT_FAILED,
+        EXIT_OK,
+        _batch,
+        _cluster,
+        _device,
+        _emit,
+        _spec,
+        log,
+    )
+    from planner.evaluate import Evaluator
+    from planner.export import write_figures, write_outputs
+    from planner.report import pareto, predicted_line, results_table, summary_line
+    from search_spaces.pipeline import model_space
+
+    spec = _spec(args)
+    if args.trials < 1:
+        raise PiperError(f"--trials must be >= 1, got {args.trials}")
+    if args.measure < 0:
+        raise PiperError(f"--measure must be >= 0, got {args.measure}")
+    device = None
+    if args.measure:  # refuse a run this machine cannot host before searching, not after
+        from runtime.launcher import check_workers
+
+        device = _device(args)
+        check_workers(args.gpus, device, args.address)
+    cluster, cluster_name = _cluster(args, announce=True)
+    batch = _batch(args, spec)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    storage = args.storage or f"sqlite:///{(out / 'study.db').resolve()}"
+    t0 = time.perf_counter()
+    ev = Evaluator(spec, args.gpus, batch, cluster)
+    graph = ev.graph
+    folded = "".join(f"; traced 2 of {r.length} identical {r.fqn}" for r in ev.captured.folded)
+    log(f"captured {spec.path}: {len(graph.regions)} regions, "
+        f"{sum(r.param_numel for r in graph.regions) / 1e6:,.1f}M parameters{folded} "
+        f"({time.perf_counter() - t0:.1f} s)")
+    space = model_space(graph, ev.region_costs(), args.gpus, batch, cluster.gpus_per_node)
+    log(f"search space: {len(space.points())} valid strategies; {args.trials} trials, "
+        f"{args.sampler} sampler, {args.backend} backend")
+    common = {"trials": args.trials, "timeout": args.timeout, "sampler": args.sampler,
+                  "storage": storage, "study_name": args.study_name, "seed": args.seed}
+    if args.backend == "ray":
+        from planner.ray_search import run_ray_search
+
+        result = run_ray_search(ev, space, address=args.address, out=str(out), **common)
+    else:
+        from planner.search import run_search
+
+        result = run_search(ev, space, progress=not args.json, **common)
+    log(f"{result.trials + result.pruned_trials + result.failed_trials} trials: "
+        f"{result.trials} simulated ({result.feasible_trials} fit in memory), "
+        f"{result.pruned_trials} pruned (invalid or over memory by formula), "
+        f"{result.failed_trials} failed")
+    measured: list[Any] = []
+    if args.measure and result.best is not None:
+        from planner.measure import measure, table
+
+        log(f"measuring the {args.measure} best predicted strategies on {args.gpus} {device} "
+            "workers")
+        measured = measure(spec, result.records, args.measure, gpus=args.gpus,
+                           batch_size=batch, device=device, seed=args.seed,
+                           address=args.address, log=log)
+        log(table(measured))
+        if measured and measured[0].median_s is not None:
+            result = dataclasses.replace(result, best=measured[0].record)
+    files = write_outputs(out, spec, cluster_name, args.gpus, batch, result)
+    log(results_table(result.records))
+    total = time.perf_counter() - t0
+    if result.best is None:
+        log(f"no feasible strategy among {result.trials} trials (memory limit "
+            f"{cluster.memory_bytes / 1024**3:.0f} GiB per device)")
+        if args.json:
+            _emit({"best": None, "trials": result.trials, "feasible_trials": 0,
+                   "search_time_s": total, "pareto": []})
+        return EXIT_FAILED
+    b = result.best
+    files.update(write_figures(out, ev.evaluate(b.program), result,
+                               memory_limit_bytes=cluster.memory_bytes))
+    log(f"best: {summary_line(b.summary)}\n      {predicted_line(b.predicted)}\n"
+        f"wrote {files['strategy_file']} and {files['strategy_json']} ({total:.1f} s), "
+        f"{files['timeline'].name}, {files['pareto'].name} and {files['trace'].name}")
+    if args.json:
+        best: dict[str, Any] = {"strategy_file": str(files["strategy_file"]),
+                                "program": json.loads(b.program.to_json()),
+                                "summary": b.summary, "predicted": b.predicted}
+        obj: dict[str, Any] = {
+            "best": best,
+            "trials": result.trials,
+            "feasible_trials": result.feasible_trials,
+            "search_time_s": total,
+            "pareto": [{"trial": r.number, "summary": r.summary, "predicted": r.predicted}
+                       for r in pareto(result.records)],
+        }
+        if measured:
+            winner = measured[0]
+            if winner.median_s is not None:
+                best["measured"] = {"step_time_s": winner.median_s,
+                                    "peak_memory_bytes": list(winner.peak_memory_bytes)}
+            obj["measured"] = [m.json() for m in measured]
+        _emit(obj)
+    else:
+        print(b.program.to_python([f"best of {result.trials} trials: {summary_line(b.summary)}"]))
+    return EXIT_OK

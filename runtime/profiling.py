@@ -1,0 +1,182 @@
+"""Host `cost_models.probes` on real worker processes: one Ray actor per rank, a real
+`torch.distributed` process group between them, as `runtime.launcher.run` starts them.
+
+    measurements = measure(spec, gpus=4, device="cpu", batch_size=32)
+
+Compute probes run on rank 0 alone while the others wait at a barrier, so chunk timings are
+those of an unshared device (sharing is the simulator's business: `cost_models.contention`);
+communication probes run on every rank at once.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import statistics
+from dataclasses import dataclass
+
+import ray
+import torch
+import torch.distributed as dist
+
+from cost_models.calibrate import Measurements
+from cost_models.fit import CommSample
+from cost_models.probes import (
+    ComputeTimings,
+    group_layout,
+    time_collectives,
+    time_compute,
+    time_sharing,
+)
+from piper.capture import capture
+from piper.errors import PiperError
+from piper.model_file import ModelSpec, load_model_file
+from runtime.launcher import RuntimeFailure, _free_port, ensure_ray
+
+
+@dataclass(frozen=True)
+class ProbePlan:
+    """What to time: message sizes (bytes), group sizes, microbatch sizes, repetitions."""
+
+    message_bytes: tuple[int, ...] = (2**12, 2**14, 2**16, 2**18, 2**20)
+    microbatch_sizes: tuple[int, ...] = (1, 4)
+    reps: int = 4
+    rounds: int = 3
+
+
+class ProbeWorker:
+    """One rank of a profile run. Methods in order: setup, comm, compute, shutdown."""
+
+    def __init__(self, rank: int, world: int, master: str, model_path: str,
+                 model_args: tuple, device: str, threads: int) -> None:
+        self.rank, self.world, self.master = rank, world, master
+        self.model_path, self.model_args = model_path, model_args
+        self.device = torch.device("cuda", 0) if device == "cuda" else torch.device("cpu")
+        torch.set_num_threads(threads)
+        self.groups: dict[tuple[int, ...], object] = {}
+        self.layout: dict[int, list[tuple[int, ...]]] = {}
+
+    def setup(self, timeout_s: float) -> int:
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo",
+                                init_method=f"tcp://{self.master}", rank=self.rank,
+                                world_size=self.world,
+                                timeout=datetime.timedelta(seconds=timeout_s))
+        self.layout = group_layout(self.world, (2, self.world))
+        for gs in self.layout.values():
+            for g in gs:
+                self.groups[g] = dist.new_group(list(g))
+        return os.getpid()
+
+    def comm(self, plan: ProbePlan) -> list[CommSample]:
+        return time_collectives(self.rank, self.groups, self.layout, plan.message_bytes,
+                                self.device, plan.reps, plan.rounds)
+
+    def sharing(self, plan: ProbePlan) -> tuple[list[float], list[float]]:
+        return time_sharing(self.rank, self.device, plan.reps, plan.rounds)
+
+    def compute(self, plan: ProbePlan) -> ComputeTimings | None:
+        out = None
+        if self.rank == 0:
+            spec = load_model_file(self.model_path, self.model_args)
+            captures = [capture(spec, b) for b in plan.microbatch_sizes]
+            out = time_compute(spec, captures, self.device, plan.reps)
+        dist.barrier()
+        return out
+
+    def shutdown(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+RemoteProbe = ray.remote(ProbeWorker)
+
+
+def measure(spec: ModelSpec, *, gpus: int, device: str, plan: ProbePlan | None = None,
+            address: str | None = None, timeout_s: float = 120.0) -> Measurements:
+    """Run the probes on `gpus` fresh worker processes; RuntimeFailure names a failed rank."""
+    if gpus < 2:
+        raise PiperError(f"profile needs --gpus >= 2 to time communication, got {gpus}")
+    plan = plan or ProbePlan()
+    started = ensure_ray(address)
+    threads = max(1, (os.cpu_count() or 1) // gpus)  # what runtime.launcher gives a rank
+    master = f"127.0.0.1:{_free_port()}"
+    gpu = 1 if device == "cuda" else 0
+    actors = [RemoteProbe.options(num_cpus=0, num_gpus=gpu).remote(
+        r, gpus, master, os.path.abspath(spec.path), spec.model_args, device, threads)
+        for r in range(gpus)]
+    try:
+        _gather([a.setup.remote(timeout_s) for a in actors], timeout_s, "setup")
+        comm = _gather([a.comm.remote(plan) for a in actors], timeout_s, "communication")
+        compute = _gather([a.compute.remote(plan) for a in actors], timeout_s, "compute")[0]
+        sharing = _gather([a.sharing.remote(plan) for a in actors], timeout_s, "sharing")
+        _gather([a.shutdown.remote() for a in actors], timeout_s, "shutdown")
+    finally:
+        for a in actors:
+            ray.kill(a, no_restart=True)
+        if started:
+            ray.shutdown()
+    return Measurements(device=device, device_name=_device_name(device), ranks=gpus,
+                        memory_bytes=_memory_per_rank(device, gpus),
+                        cores=effective_cores(sharing) if device == "cpu" else None,
+                        comm=tuple(slowest_rank(comm)), compute=compute)
+
+
+def effective_cores(sharing: list[tuple[list[float], list[float]]]) -> float:
+    """Cores N ranks computing at once effectively share: N x (rank 0 alone) / (each rank
+    with all at once), medians; at most N (ranks never get more than one core's worth)."""
+    n = len(sharing)
+    alone = statistics.median(sharing[0][0])
+    together = statistics.median(t for _, ts in sharing for t in ts)
+    return min(float(n), n * alone / together)
+
+
+def slowest_rank(per_rank: list[list[CommSample]]) -> list[CommSample]:
+    """Per measurement (same position on every rank that took part), the slowest rank."""
+    out: dict[tuple[str, int, int, int], CommSample] = {}
+    for samples in per_rank:
+        seen: dict[tuple[str, int, int], int] = {}
+        for s in samples:
+            k = (s.kind, s.ranks, s.nbytes)
+            i = seen[k] = seen.get(k, -1) + 1
+            key = (*k, i)
+            if key not in out or s.seconds > out[key].seconds:
+                out[key] = s
+    return list(out.values())
+
+
+def _gather(refs: list, timeout_s: float, what: str) -> list:
+    ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+    out = []
+    for rank, ref in enumerate(refs):
+        if ref not in ready:
+            raise RuntimeFailure(f"rank {rank} did not finish profiling {what} within "
+                                 f"{timeout_s:.0f}s")
+        try:
+            out.append(ray.get(ref))
+        except ray.exceptions.RayError as e:
+            raise RuntimeFailure(f"rank {rank} failed profiling {what}: "
+                                 f"{type(e).__name__}: {str(e).strip().splitlines()[-1]}"
+                                 ) from None
+    return out
+
+
+def _device_name(device: str) -> str:
+    if device == "cuda":
+        return torch.cuda.get_device_name(0)
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return f"CPU (gloo): {line.split(':', 1)[1].strip()}"
+    except OSError:
+        pass
+    return "CPU (gloo)"
+
+
+def _memory_per_rank(device: str, gpus: int) -> int:
+    if device == "cuda":
+        return int(torch.cuda.get_device_properties(0).total_memory)
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return int(ram // gpus)

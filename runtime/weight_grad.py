@@ -1,0 +1,165 @@
+"""Deferred weight gradients: the W half of a split backward without a second graph walk.
+
+Zero-bubble schedules run a stage's backward in two tasks: I (gradients of the stage's
+inputs, which the previous stage waits for) and W (weight gradients, which only the update
+needs). Walking the autograd graph twice costs about a backward more. Instead, the stage
+module's matmuls against parameters go through `_WeightMatmul`, whose backward returns the
+input gradient at once and, while a `WeightGradStore` is collecting, keeps (input, output
+gradient) for later: I is then one walk that computes everything except those products, and
+W is the products alone (dW = x^T·dy, db = Σdy), with no graph and no parameters needed —
+which is why ZeRO-3 may free the gathered parameters right after I.
+
+Handled: `aten.linear` (weight and optional bias), `aten.matmul` / `aten.mm` with a 2-D
+weight on the right, `aten.bmm` with a stacked weight on the right (experts), whenever the
+weight is a parameter input of the stage module. Every other parameter gradient is computed
+by I's walk, as ordinary autograd computes it.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import fx
+
+_local = threading.local()
+
+# op -> how its weight (argument 1) enters: y = x·Wᵀ (+ b), y = x·W, y = x ⊙bmm W
+_OPS = {
+    torch.ops.aten.linear.default: "linear",
+    torch.ops.aten.matmul.default: "matmul",
+    torch.ops.aten.mm.default: "matmul",
+    torch.ops.aten.bmm.default: "bmm",
+}
+
+
+class WeightGradStore:
+    """One microbatch's deferred products: (kind, weight key, bias key, x, dy).
+
+    Keys are the stage module's input positions of the weight and bias (-1: no bias, or a
+    bias whose gradient I computed). `volatile` holds the storages that will be freed before
+    W runs (ZeRO-3's gathered parameters): an input living there is not deferred.
+    """
+
+    def __init__(self, volatile: tuple[int, ...] = ()) -> None:
+        self.volatile = frozenset(volatile)
+        self.entries: list[tuple[str, int, int, torch.Tensor, torch.Tensor]] = []
+
+    def add(self, kind: str, wkey: int, bkey: int, x: torch.Tensor, dy: torch.Tensor) -> None:
+        self.entries.append((kind, wkey, bkey, x, dy))
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for e in self.entries for t in e[3:])
+
+    def grads(self) -> Iterator[tuple[int, torch.Tensor]]:
+        """(input position, gradient) for every deferred weight and bias, releasing each
+        entry's tensors as it goes."""
+        while self.entries:
+            kind, wkey, bkey, x, dy = self.entries.pop(0)
+            yield wkey, _weight_grad(kind, x, dy)
+            if bkey >= 0:
+                yield bkey, dy.reshape(-1, dy.shape[-1]).sum(0)
+
+
+@contextmanager
+def collecting(store: WeightGradStore | None) -> Iterator[None]:
+    """Forwards run inside defer their weight products to `store` (None: compute them in
+    the backward as usual)."""
+    before = getattr(_local, "store", None)
+    _local.store = store
+    try:
+        yield
+    finally:
+        _local.store = before
+
+
+def _weight_grad(kind: str, x: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:
+    if kind == "bmm":
+        return x.transpose(1, 2).bmm(dy)
+    x2, dy2 = x.reshape(-1, x.shape[-1]), dy.reshape(-1, dy.shape[-1])
+    return dy2.t().mm(x2) if kind == "linear" else x2.t().mm(dy2)  # W is (out, in) / (in, out)
+
+
+def _input_grad(kind: str, dy: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    if kind == "linear":
+        return dy.matmul(w)
+    if kind == "bmm":
+        return dy.bmm(w.transpose(1, 2))
+    return dy.matmul(w.t())
+
+
+class _WeightMatmul(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, kind: str, x: torch.Tensor, w: torch.Tensor,
+                b: torch.Tensor | None, wkey: int, bkey: int) -> torch.Tensor:
+        store = getattr(_local, "store", None)
+        if store is not None and x.untyped_storage().data_ptr() in store.volatile:
+            store = None  # x is freed before W could read it
+        ctx.kind, ctx.store, ctx.keys = kind, store, (wkey, bkey if b is not None else -1)
+        ctx.save_for_backward(x, w)
+        if kind == "linear":
+            return F.linear(x, w, b)
+        return x.bmm(w) if kind == "bmm" else x.matmul(w)
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x, w = ctx.saved_tensors
+        _, need_x, need_w, need_b, _, _ = ctx.needs_input_grad
+        dx = _input_grad(ctx.kind, dy, w) if need_x else None
+        if ctx.store is not None:
+            ctx.store.add(ctx.kind, *ctx.keys, x, dy)  # W adds dW (and db) into the grads
+            return None, dx, None, None, None, None
+        dw = _weight_grad(ctx.kind, x, dy) if need_w else None
+        db = dy.reshape(-1, dy.shape[-1]).sum(0) if need_b else None
+        return None, dx, dw, db, None, None
+
+
+def weight_matmul(kind: str, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
+                  wkey: int, bkey: int) -> torch.Tensor:
+    """What a rewritten stage module calls in place of a matmul against a parameter."""
+    return _WeightMatmul.apply(kind, x, w, b, wkey, bkey)
+
+
+def defer_weight_grads(gm: fx.GraphModule, params: set[int]) -> tuple[fx.GraphModule, int]:
+    """A copy of `gm` whose matmuls against parameter inputs (positions in `params`) call
+    `weight_matmul`; also returns how many it rewrote. Shapes come from the nodes' meta
+    (`val`), so a matmul whose operands are not as handled is left alone."""
+    graph = fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    position = {n: i for i, n in enumerate(n for n in graph.nodes if n.op == "placeholder")}
+    rewritten = 0
+    for n in list(graph.nodes):
+        kind = _OPS.get(n.target) if n.op == "call_function" else None
+        if kind is None or n.kwargs or len(n.args) < 2:
+            continue
+        x, w = n.args[0], n.args[1]
+        b = n.args[2] if len(n.args) > 2 else None
+        wkey = position.get(w, -1) if isinstance(w, fx.Node) else -1
+        if wkey not in params or not _shapes_fit(kind, x, w):
+            continue
+        bkey = position.get(b, -1) if isinstance(b, fx.Node) else -1
+        if b is not None and bkey not in params:
+            continue  # a computed bias: leave the whole op to autograd
+        n.target = weight_matmul
+        n.args = (kind, x, w, b, wkey, bkey)
+        rewritten += 1
+    graph.lint()
+    return fx.GraphModule(gm, graph), rewritten
+
+
+def _shapes_fit(kind: str, x: Any, w: fx.Node) -> bool:
+    xv = x.meta.get("val") if isinstance(x, fx.Node) else None
+    wv = w.meta.get("val")
+    if not isinstance(xv, torch.Tensor) or not isinstance(wv, torch.Tensor):
+        return False
+    if not (xv.is_floating_point() and wv.is_floating_point()):
+        return False
+    if kind == "bmm":
+        return xv.dim() == 3 and wv.dim() == 3
+    if kind == "linear":
+        return wv.dim() == 2 and xv.dim() >= 1
+    return wv.dim() == 2 and xv.dim() >= 2  # x @ W: rows of x times W

@@ -1,0 +1,84 @@
+"""Memory: ZeRO's model-state formulas (Rajbhandari et al. 2020) and activation bytes measured
+with autograd's saved-tensor hooks on meta tensors, with and without recompute."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+
+import piper
+from cost_models import ModelCosts, model_costs
+from cost_models.memory import activation_bytes, static_bytes, zero_bytes_per_param
+from piper import schedules
+from piper.model_file import load_model_file
+from runtime.plan import Plan
+from runtime.scheduler import schedule
+from tests.conftest import ROOT
+
+SKIP_MLP = str(ROOT / "tests" / "models" / "skip_mlp.py")
+
+
+@pytest.mark.parametrize("replicas", [1, 2, 8, 64])
+def test_zero_model_state_per_parameter_follows_the_paper(replicas: int) -> None:
+    # the paper's mixed-precision accounting: fp16 params and grads (2 + 2 bytes) and K = 12
+    # bytes of fp32 optimizer state -> (2+2+K), 2+2+K/N, 2+(2+K)/N, (2+2+K)/N; here the
+    # optimizer state is AdamW's two fp32 moments (8 bytes) and the master copy is the model.
+    n = replicas
+    assert zero_bytes_per_param(4, 0, n) == 16
+    assert zero_bytes_per_param(4, 1, n) == pytest.approx(4 + 4 + 8 / n)
+    assert zero_bytes_per_param(4, 2, n) == pytest.approx(4 + (4 + 8) / n)
+    assert zero_bytes_per_param(4, 3, n) == pytest.approx(16 / n)
+    assert zero_bytes_per_param(2, 3, n) == pytest.approx((2 + 2 + 8) / n)
+
+
+def test_zero_3_static_bytes_are_16_psi_over_n_per_rank(costs: ModelCosts,
+                                                        captured: piper.Captured) -> None:
+    dag0 = piper.single_device_dag(captured.graph)
+    stages = [["embed", "layer.0", "layer.1"], ["layer.2", "layer.3", "head"]]
+    plan = schedule(schedules.one_f_one_b(stages, microbatches=4, dp=2, zero=3).apply(dag0))
+    for rp, got in zip(plan.ranks, static_bytes(plan, costs), strict=True):
+        psi = sum(costs.params_of(plan.stage_regions[s]) for s in rp.stages)
+        assert got == round(16 * psi / 2)
+
+
+def test_saved_bytes_match_a_hand_count_of_what_autograd_keeps() -> None:
+    b = 4
+    c = model_costs(piper.capture(load_model_file(SKIP_MLP), b))
+    f32 = 4
+    # embed: Linear(8,16) keeps its input x, tanh keeps its output
+    # layer: Linear(16,16) keeps its input, tanh its output; head: Linear keeps h + h0
+    assert dict(zip(c.regions, c.activation_bytes, strict=True)) == {
+        "embed": b * (8 + 16) * f32, "layer.0": b * 32 * f32, "layer.1": b * 32 * f32,
+        "head": b * 16 * f32}
+    # recompute keeps only the region's inputs: x; h0; h; and both h and the skipped h0
+    assert dict(zip(c.regions, c.recompute_bytes, strict=True)) == {
+        "embed": b * 8 * f32, "layer.0": b * 16 * f32, "layer.1": b * 16 * f32,
+        "head": b * 32 * f32}
+
+
+def test_saved_bytes_on_meta_equal_eager_autograd_on_real_tensors(costs: ModelCosts) -> None:
+    spec = load_model_file(str(ROOT / "examples" / "gpt.py"), (("size", "tiny"),))
+    torch.manual_seed(0)
+    block = spec.build().blocks[0]
+    x = torch.randn(costs.batch, 16, 32, requires_grad=True)
+    params = {p.untyped_storage()._cdata for p in block.parameters()}
+    packed: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if t.untyped_storage()._cdata not in params:
+            packed[t.untyped_storage()._cdata] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        block(x)
+    assert costs.activation_bytes[costs.regions.index("layer.0")] == sum(packed.values())
+
+
+def test_recompute_keeps_far_less_per_microbatch(make_plan: Callable[..., Plan],
+                                                 costs: ModelCosts) -> None:
+    plan = make_plan("1f1b", pp=2, microbatches=4)
+    full = activation_bytes(plan, costs, 4)
+    kept = activation_bytes(plan, costs, 4, recompute=True)
+    assert all(0 < k < f / 5 for k, f in zip(kept, full, strict=True))

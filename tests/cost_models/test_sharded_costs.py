@@ -1,0 +1,67 @@
+"""Tensor/expert parallelism in the cost model: local math from a sharded capture, plus the
+collectives inside chunks priced by the alpha-beta formulas."""
+
+from __future__ import annotations
+
+import pytest
+
+import piper
+from cost_models import comm, load_cluster
+from cost_models.analytical import task_costs
+from cost_models.sharded import all_to_all_time, in_graph_comm, with_in_graph_comm
+from piper import schedules
+from piper.model_file import load_model_file
+from piper.sharding import ModelSharding
+from planner.evaluate import Evaluator
+from runtime.scheduler import schedule
+from tests.conftest import GPT, ROOT
+
+TINY = (("size", "tiny"),)
+
+
+def test_megatron_layers_have_one_g_and_one_f_per_column_row_pair() -> None:
+    spec = load_model_file(GPT, TINY)
+    cap = piper.capture(spec, 1, ModelSharding(tp=2, tp_plan=spec.tp_plan))
+    traffic = in_graph_comm(cap)
+    act = 16 * 32 * 4  # one sample: seq 16 x dim 32 fp32
+    layers = [cap.graph.names.index(f"layer.{i}") for i in range(4)]
+    assert all(traffic.forward_all_reduce[r] == (act, act) for r in layers)
+    assert all(traffic.backward_all_reduce[r] == (act, act) for r in layers)
+    assert sum(map(len, traffic.forward_all_reduce)) == 8, "embed and head stay replicated"
+
+
+def test_chunk_times_grow_by_exactly_the_in_graph_collectives() -> None:
+    spec = load_model_file(str(ROOT / "examples" / "moe.py"), TINY)
+    cluster = load_cluster("h100-80gb")
+    sharding = ModelSharding(ep=2, experts=("moe.0.experts", "moe.1.experts"))
+    cap = piper.capture(spec, 1, sharding)
+    dag0 = piper.single_device_dag(piper.capture(spec, 1).graph)
+    prog = schedules.shard(schedules.build("1f1b", [list(dag0.model.names)], microbatches=1,
+                                           dp=2), ep=2, expert_regions=("experts.0",
+                                                                        "experts.1"))
+    plan = schedule(prog.apply(dag0))
+    costs = Evaluator(spec, 2, 16, cluster).sharded_costs(plan.sharding)[0]
+    base = task_costs(plan, costs, cluster, 4)
+    got = with_in_graph_comm(base, plan, in_graph_comm(cap), cluster, 4)
+    per = all_to_all_time(4 * 4 * 16 * 32 * 4, (0, 1), cluster)  # [E=4, C=4x16, 32] fp32
+    assert got.forward_s[0] - base.forward_s[0] == pytest.approx(4 * per)
+    assert got.backward_s[0] - base.backward_s[0] == pytest.approx(4 * per)
+    lat, bw = comm.link(cluster, (0, 1))
+    assert per == pytest.approx(lat + 0.5 * 32768 / bw)
+
+
+def test_tensor_parallel_halves_the_math_and_adds_all_reduces() -> None:
+    spec = load_model_file(GPT, (("size", "small"),))
+    ev = Evaluator(spec, 8, 32, load_cluster("h100-80gb"))
+    stages = [list(ev.captured.graph.names)]
+    dp8 = ev.evaluate(schedules.build("1f1b", stages, microbatches=1, dp=8))
+    tp2 = ev.evaluate(schedules.shard(schedules.build("1f1b", stages, microbatches=1, dp=4),
+                                      tp=2))
+    assert tp2.plan.world_size == 8 and len(tp2.plan.ranks) == 4
+    full, half = ev.costs, ev.sharded_costs(tp2.plan.sharding)[0]
+    layer = full.regions.index("layer.0")
+    assert half.forward_flops[layer] < 0.6 * full.forward_flops[layer]
+    assert half.params[layer] < 0.6 * full.params[layer]
+    # per rank: half the layer math, twice the samples (dp 4 not 8), plus the all-reduces
+    assert tp2.prediction.step_time_s != dp8.prediction.step_time_s
+    assert max(tp2.prediction.peak_memory_bytes) < max(dp8.prediction.peak_memory_bytes)

@@ -1,0 +1,145 @@
+"""Tensor and expert parallelism at the IR level: the layer rewrites are exact slices of the
+single-device layers, and ShardTensor / Shard check what they are given."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import piper
+from piper import Experts, Place, Program, Replicate, Shard, ShardTensor, Split, schedules
+from piper.dag import VerifyError
+from piper.model_file import load_model_file
+from piper.tensor_parallel import ColwiseLinear, RowwiseLinear, parse_style, shard_linears
+from tests.conftest import GPT, ROOT
+
+MOE = str(ROOT / "examples" / "moe.py")
+
+
+@pytest.fixture(scope="module")
+def gpt_dag() -> piper.TrainingDAG:
+    return piper.single_device_dag(piper.capture(load_model_file(GPT, (("size", "tiny"),)),
+                                                 2).graph)
+
+
+@pytest.fixture(scope="module")
+def moe_dag() -> piper.TrainingDAG:
+    return piper.single_device_dag(piper.capture(load_model_file(MOE, (("size", "tiny"),)),
+                                                 2).graph)
+
+
+# ---- tensor parallel layers ------------------------------------------------------------
+def test_parse_style() -> None:
+    assert parse_style("colwise") == ("colwise", 1)
+    assert parse_style("colwise:3") == ("colwise", 3)
+    assert parse_style("rowwise") == ("rowwise", 1)
+    for bad in ("rowwise:2", "colwise:0", "colwise:x", "diagonal"):
+        with pytest.raises(ValueError, match="unknown tensor-parallel style"):
+            parse_style(bad)
+
+
+def _slices(plan: dict[str, str], degree: int) -> list[nn.Module]:
+    torch.manual_seed(0)
+    full = nn.Sequential(nn.Linear(4, 12), nn.Linear(12, 4))
+    out = [full]
+    for rank in range(degree):
+        m = copy.deepcopy(full)
+        shard_linears(m, tuple(plan.items()), degree, rank)
+        out.append(m)
+    return out
+
+
+def test_column_slices_keep_each_fused_part_and_row_slices_split_inputs() -> None:
+    full, r0, r1 = _slices({"0": "colwise:3", "1": "rowwise"}, 2)
+    assert isinstance(r0[0], ColwiseLinear) and isinstance(r1[1], RowwiseLinear)
+    assert r0[0].weight.shape == (6, 4) and r0[1].weight.shape == (4, 6)
+    # part k of rank r is rows [4k + 2r, 4k + 2r + 2) of the fused weight
+    parts = [torch.cat([r[0].weight[2 * k:2 * k + 2] for r in (r0, r1)]) for k in range(3)]
+    assert torch.equal(torch.cat(parts), full[0].weight)
+    assert torch.equal(torch.cat([r0[1].weight, r1[1].weight], dim=1), full[1].weight)
+    assert torch.equal(r0[1].bias, full[1].bias), "the row-parallel bias stays whole"
+
+
+def test_plan_entry_matching_nothing_or_not_a_linear_is_an_error() -> None:
+    m = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+    with pytest.raises(ValueError, match="'x.*' matches no module"):
+        shard_linears(m, (("x.*", "colwise"),), 2, 0)
+    with pytest.raises(ValueError, match="is a ReLU, not an nn.Linear"):
+        shard_linears(m, (("1", "colwise"),), 2, 0)
+
+
+# ---- experts -------------------------------------------------------------------------------
+def test_experts_match_a_per_token_loop() -> None:
+    torch.manual_seed(0)
+    e = Experts(4, 8, 16)
+    x, gate = torch.randn(10, 8), torch.rand(10, 2)
+    idx = torch.stack([torch.randperm(4)[:2] for _ in range(10)])
+    y = e(x, idx, gate)
+    ffn = [lambda v, i=i: torch.nn.functional.gelu(v @ e.w1[i]) @ e.w2[i] for i in range(4)]
+    ref = torch.stack([sum(gate[t, j] * ffn[int(idx[t, j])](x[t]) for j in range(2))
+                       for t in range(10)])
+    torch.testing.assert_close(y, ref)
+
+
+# ---- directives ------------------------------------------------------------------------
+def test_shard_tensor_uses_the_model_files_plan_and_multiplies_the_world(gpt_dag) -> None:
+    prog = schedules.shard(schedules.build("1f1b", [["embed", "layer.0", "layer.1"],
+                                                    ["layer.2", "layer.3", "head"]],
+                                           microbatches=2, dp=2), tp=2)
+    dag = prog.apply(gpt_dag)
+    assert (dag.pp, dag.dp, dag.sharding.tp, dag.world_size, dag.ranks) == (2, 2, 2, 8, 4)
+    assert dict(dag.sharding.tp_plan)["blocks.*.qkv"] == "colwise:3"
+    assert prog.summary()["tp"] == 2
+    assert Program.from_json(prog.to_json()) == prog
+
+
+@pytest.mark.parametrize("directive, msg", [
+    (ShardTensor(3), r"blocks.0.qkv: 96 output features are not 3 part\(s\) divisible by tp=3"),
+    (ShardTensor(2, plan=(("mlp.*", "colwise"),)), "'mlp.\\*' matches no module"),
+    (ShardTensor(0), "degree must be an int >= 1"),
+])
+def test_shard_tensor_errors(gpt_dag, directive, msg) -> None:
+    with pytest.raises(piper.DirectiveError, match=msg) as e:
+        Program([Split(2), directive]).apply(gpt_dag)
+    assert e.value.index == 1
+
+
+def test_shard_tensor_without_a_plan_or_on_a_tied_weight(gpt_dag) -> None:
+    skip = piper.single_device_dag(piper.capture(
+        load_model_file(ROOT / "tests" / "models" / "skip_mlp.py"), 2).graph)
+    with pytest.raises(piper.DirectiveError, match="defines no TP_PLAN"):
+        Program([ShardTensor(2)]).apply(skip)
+    tied = piper.single_device_dag(piper.capture(
+        load_model_file(GPT, (("size", "tiny"), ("tie", True))), 2).graph)
+    with pytest.raises(piper.DirectiveError, match="lm_head.weight is tied"):
+        Program([ShardTensor(2, plan=(("lm_head", "colwise"),))]).apply(tied)
+
+
+def test_shard_splits_the_experts_of_matched_regions(moe_dag) -> None:
+    prog = Program([Replicate(4), Shard("experts.*", degree=2)])
+    dag = prog.apply(moe_dag)
+    assert dag.sharding.experts == ("moe.0.experts", "moe.1.experts")
+    assert (dag.sharding.ep, dag.world_size) == (2, 4)
+    assert prog.summary()["ep"] == 2
+    assert "Shard('experts.*', degree=2)" in prog.to_python()
+    assert Program.from_json(prog.to_json()) == prog
+
+
+@pytest.mark.parametrize("directives, msg", [
+    ([Replicate(2), Shard("attn.*", degree=2)], "'attn.\\*' matches no region holding "
+                                                 "piper.Experts; those are experts.0, experts.1"),
+    ([Replicate(3), Shard("experts.*", degree=3)], "moe.0.experts has 4 experts, not divisible "
+                                                   "by ep=3"),
+])
+def test_shard_errors(moe_dag, directives, msg) -> None:
+    with pytest.raises(piper.DirectiveError, match=msg):
+        Program(directives).apply(moe_dag)
+
+
+def test_expert_parallelism_needs_replicas_to_split_over(moe_dag) -> None:
+    with pytest.raises(VerifyError, match="ep=2 splits data-parallel replicas"):
+        Program([Place(moe_dag.model.names, stage=0, device=0),
+                 Shard("experts.*", degree=2)]).apply(moe_dag)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import os
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
@@ -72,7 +74,7 @@ class Evaluator:
         """Pickled for Ray workers: the model file travels as its path (functions from a
         file imported by path do not pickle), captures and sharded costs as data."""
         state = dict(self.__dict__)
-        state["spec"] = (self.spec.path, self.spec.model_args)
+        state["spec"] = (os.path.abspath(self.spec.path), self.spec.model_args)
         state["cache"] = EvaluationCache()  # results stay where they were computed
         return state
 
@@ -125,7 +127,8 @@ class Evaluator:
         hit = self.cache.get(key)
         if hit is not None:
             return hit
-        plan = schedule(apply_for(program, self.dag, self.gpus))
+        # no separate deadlock dry run: the simulator's timeline is one, and raises the same
+        plan = schedule(apply_for(program, self.dag, self.gpus), check=False)
         if plan.sharding.trivial:
             pred = simulate(plan, self.costs, self.cluster, mb)
         else:  # the rank's slice of the math, plus the collectives inside its chunks
@@ -133,6 +136,10 @@ class Evaluator:
             durations = with_in_graph_comm(task_costs(plan, costs, self.cluster, mb), plan,
                                            traffic, self.cluster, mb)
             pred = simulate(plan, costs, self.cluster, mb, durations=durations)
+            # MFU counts the whole model's FLOPs; the slice's are 1/tp of them
+            full, part = self.costs.forward_flops_per_sample, costs.forward_flops_per_sample
+            if part > 0:
+                pred = dataclasses.replace(pred, mfu=pred.mfu * full / part)
         ev = Evaluation(program, plan, pred, mb)
         self.cache.put(key, ev)
         return ev

@@ -15,6 +15,7 @@ seen when it asks: the embedded backend is the reproducible one.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import sys
 import time
@@ -27,7 +28,8 @@ from ray.tune.search.optuna import OptunaSearch
 from planner.evaluate import Evaluator
 from planner.records import OBJECTIVES, SearchResult, open_study, result_of
 from planner.samplers import PointsSampler, make_sampler
-from planner.search import Scored, _check_not_empty, _storage, describe, score, store
+from planner.search import Scored, _check_not_empty, describe, score, store
+from planner.space import viable
 from runtime.launcher import ensure_ray
 from search_spaces import Infeasible, SearchSpace
 
@@ -44,21 +46,16 @@ def run_ray_search(evaluator: Evaluator, space: SearchSpace, *, trials: int,
     _check_not_empty(space)
     started = ensure_ray(address)
     try:
-        db = _storage(storage)
+        # no heartbeat (it needs Study.optimize); RDB storages pickle with the searcher
+        db = optuna.storages.get_storage(storage)
         study = open_study(db, study_name, create=True)  # checks its shape before Tune does
         describe(study, evaluator)
         earlier = len(study.trials)
         smp = make_sampler(sampler, space, None if seed is None else seed + earlier, trials)
         if isinstance(smp, PointsSampler):
             trials = min(trials, len(smp))
-        warm(evaluator, space)
-        grid = dict(space.grid()) if sampler == "grid" else None
-
-        def define(trial: Any) -> dict[str, Any]:
-            point = ({k: trial.suggest_categorical(k, list(v)) for k, v in grid.items()}
-                     if grid is not None else space.sample(trial))
-            return {"point": point}
-
+        viable(space, evaluator)  # every slice captured here, once, before it ships
+        define = _Define(space, dict(space.grid()) if sampler == "grid" else None)
         searcher = _Searcher(define, metric=list(OBJECTIVES), mode=["min"] * len(OBJECTIVES),
                              sampler=smp, study_name=study_name, storage=db, seed=seed,
                              capacity=evaluator.cluster.memory_bytes)
@@ -73,6 +70,7 @@ def run_ray_search(evaluator: Evaluator, space: SearchSpace, *, trials: int,
             run_config=tune.RunConfig(name=study_name, verbose=0,
                                       storage_path=os.path.abspath(os.path.join(out, "ray"))),
         )
+        os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")  # no banner: logs are ours
         with contextlib.redirect_stdout(sys.stderr):  # --json: stdout carries one object
             tuner.fit()
         return result_of(open_study(db, study_name, create=False),
@@ -84,36 +82,34 @@ def run_ray_search(evaluator: Evaluator, space: SearchSpace, *, trials: int,
             ray.shutdown()
 
 
-def warm(evaluator: Evaluator, space: SearchSpace) -> None:
-    """Capture every tensor/expert-parallel slice the space can ask for, here, once."""
-    seen: dict[tuple[int, int], dict[str, Any]] = {}
-    for p in space.points():
-        seen.setdefault((p.get("tp", 1), p.get("ep", 1)), p)
-    for degrees, point in seen.items():
-        if degrees == (1, 1):
-            continue
-        try:
-            sharding = evaluator.skeleton(space.program(**point)).sharding
-            evaluator.sharded_costs(sharding)
-        except Infeasible:
-            pass  # each trial of that degree says so
+class _Define:
+    """The define-by-run space Tune's OptunaSearch asks (a class: the searcher is pickled)."""
+
+    def __init__(self, space: SearchSpace, grid: dict[str, Any] | None) -> None:
+        self.space, self.grid = space, grid
+
+    def __call__(self, trial: Any) -> dict[str, Any]:
+        point = ({k: trial.suggest_categorical(k, list(v)) for k, v in self.grid.items()}
+                 if self.grid is not None else self.space.sample(trial))
+        return {"point": point}
 
 
 def _trial(config: dict[str, Any], evaluator: Evaluator, space: SearchSpace) -> dict[str, Any]:
-    """One Tune trial: score the point; what happened travels in `piper` (NaN metrics for a
-    point without figures, since Tune wants every metric in every result)."""
+    """One Tune trial: score the point; what happened travels in `piper` as JSON text (Tune
+    flattens nested results), with NaN metrics for a point without figures (Tune wants every
+    metric in every result)."""
     nan = {k: float("nan") for k in OBJECTIVES}
     try:
         s = score(evaluator, space, config["point"])
     except Infeasible as e:
-        return {**nan, "piper": {"pruned_reason": str(e)}}
+        return {**nan, "piper": json.dumps({"pruned_reason": str(e)})}
     except Exception as e:  # noqa: BLE001 - recorded on the trial, as the embedded loop does
         lines = str(e).strip().splitlines()
         reason = f"{type(e).__name__}: {lines[0] if lines else ''}".rstrip(": ")
-        return {**nan, "piper": {"fail_reason": reason}}
+        return {**nan, "piper": json.dumps({"fail_reason": reason})}
     return {**dict(zip(OBJECTIVES, s.values, strict=True)),
-            "piper": {"point": s.point, "summary": s.summary, "program": s.program,
-                      "predicted": s.predicted}}
+            "piper": json.dumps({"point": s.point, "summary": s.summary, "program": s.program,
+                                 "predicted": s.predicted})}
 
 
 class _Searcher(OptunaSearch):
@@ -129,7 +125,7 @@ class _Searcher(OptunaSearch):
         if trial_id in self._completed_trials:
             return
         ot_trial = self._ot_trials[trial_id]
-        outcome = (result or {}).get("piper") or {}
+        outcome = json.loads((result or {}).get("piper") or "{}")
         if "predicted" in outcome:
             s = Scored(outcome["point"], outcome["summary"], outcome["program"],
                        outcome["predicted"])

@@ -36,13 +36,14 @@ def results_table(records: Sequence[TrialRecord], top: int = 10) -> str:
         if key not in seen and len(rows) < top:
             seen.add(key)
             rows.append(r)
-    head = (f"{'#':>4} {'dp':>3} {'pp':>3} {'mb':>4} {'schedule':<9} {'step ms':>10} "
-            f"{'tokens/s':>12} {'MFU':>6} {'peak mem':>11} fits")
+    head = (f"{'#':>4} {'dp':>4} {'pp':>3} {'tp':>2} {'ep':>2} {'zero':>4} {'mb':>4} "
+            f"{'schedule':<16} {'step ms':>10} {'tokens/s':>12} {'MFU':>6} {'peak mem':>11} fits")
     lines = [head, "-" * len(head)]
     for r in rows:
         s, p = r.summary, r.predicted
-        lines.append(f"{r.number:>4} {s['dp']:>3} {s['pp']:>3} {s['microbatches']:>4} "
-                     f"{s['schedule']:<9} {p['step_time_s'] * 1e3:>10.2f} "
+        lines.append(f"{r.number:>4} {s['dp']:>4} {s['pp']:>3} {s['tp']:>2} {s['ep']:>2} "
+                     f"{s['zero']:>4} {s['microbatches']:>4} "
+                     f"{s['schedule']:<16} {p['step_time_s'] * 1e3:>10.2f} "
                      f"{p['tokens_per_s']:>12,.0f} {p['mfu'] * 100:>5.1f}% "
                      f"{fmt_bytes(max(p['peak_memory_bytes'])):>11} "
                      f"{'yes' if r.feasible else 'no'}")

@@ -29,11 +29,9 @@ def make_sampler(name: str, space: SearchSpace, seed: int | None, trials: int
     if name == "tpe":
         # multivariate: the degrees interact (pp x microbatches sets the bubble)
         return optuna.samplers.TPESampler(seed=seed, multivariate=True,
-                                          n_startup_trials=min(TPE_STARTUP, max(1, trials // 3)),
-                                          warn_independent_sampling=False)
+                                          n_startup_trials=min(TPE_STARTUP, max(1, trials // 3)))
     if name == "gp":
-        return optuna.samplers.GPSampler(seed=seed, n_startup_trials=min(10, max(1, trials // 3)),
-                                         warn_independent_sampling=False)
+        return optuna.samplers.GPSampler(seed=seed, n_startup_trials=min(10, max(1, trials // 3)))
     if name == "nsga2":
         return optuna.samplers.NSGAIISampler(seed=seed,
                                              population_size=max(4, min(50, trials // 4)))

@@ -133,7 +133,9 @@ def store(trial: optuna.Trial, s: Scored, capacity: int) -> None:
 
 def describe(study: optuna.Study, evaluator: Evaluator) -> None:
     """What the study is about, for `show`, `export` and the dashboard."""
-    study.set_metric_names(list(OBJECTIVES))
+    with warnings.catch_warnings():  # "experimental" since optuna 3.2, still there in 5
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        study.set_metric_names(list(OBJECTIVES))
     spec = evaluator.spec
     about = {"model": spec.path, "model_args": [list(a) for a in spec.model_args],
              "gpus": evaluator.gpus, "batch_size": evaluator.batch_size,

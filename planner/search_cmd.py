@@ -30,7 +30,7 @@ def search(args: argparse.Namespace) -> int:
     from planner.evaluate import Evaluator
     from planner.export import write_figures, write_outputs
     from planner.report import pareto, predicted_line, results_table, summary_line
-    from search_spaces.pipeline import model_space
+    from planner.space import search_space
 
     spec = _spec(args)
     if args.trials < 1:
@@ -55,7 +55,9 @@ def search(args: argparse.Namespace) -> int:
     log(f"captured {spec.path}: {len(graph.regions)} regions, "
         f"{sum(r.param_numel for r in graph.regions) / 1e6:,.1f}M parameters{folded} "
         f"({time.perf_counter() - t0:.1f} s)")
-    space = model_space(graph, ev.region_costs(), args.gpus, batch, cluster.gpus_per_node)
+    space, dropped = search_space(ev, cluster.gpus_per_node)
+    for line in dropped:
+        log(f"left out {line}")
     log(f"search space: {len(space.points())} valid strategies; {args.trials} trials, "
         f"{args.sampler} sampler, {args.backend} backend")
     common = {"trials": args.trials, "timeout": args.timeout, "sampler": args.sampler,
@@ -78,6 +80,10 @@ def search(args: argparse.Namespace) -> int:
 
         log(f"measuring the {args.measure} best predicted strategies on {args.gpus} {device} "
             "workers")
+        if args.cluster is None or (device == "cpu" and cluster_name != "cpu"):
+            log(f"  predicted times are for {cluster_name}, measured ones for this machine: "
+                "compare the order, not the values (--cluster FILE from `piper-plan "
+                "profile` predicts this machine)")
         measured = measure(spec, result.records, args.measure, gpus=args.gpus,
                            batch_size=batch, device=device, seed=args.seed,
                            address=args.address, log=log)

@@ -20,7 +20,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from piper.capture import Captured, ModelGraph
 from piper.dag import Kind
 from piper.model_file import ModelSpec
-from runtime.memory import MemoryLedger
+from runtime.memory import MemoryLedger, SavedTensors
 from runtime.plan import COMPUTE_STREAM, Plan, RankPlan, Task
 from runtime.stage_module import StageModule, build_stage
 from runtime.streams import DeviceStreams
@@ -35,6 +35,7 @@ class _Saved:
     loss: torch.Tensor | None = None
     deferred: WeightGradStore | None = None  # split backward: W's products, kept by I
     flat_grad: torch.Tensor | None = None  # ZeRO: this microbatch's flat gradient, I to W
+    activation_bytes: int = 0  # what this chunk keeps for backward (memory ledger)
 
 
 @dataclass
@@ -338,14 +339,19 @@ class RankExecutor:
             freed = shard is not None and shard.zero == 3
             deferred = WeightGradStore((shard.flat.untyped_storage().data_ptr(),)
                                        if freed else ())
-        with collecting(deferred):
+        kept = SavedTensors(exclude={t.untyped_storage().data_ptr() for (k, _), t in
+                                     zip(sm.inputs, args) if k in ("param", "buffer")})
+        with collecting(deferred), torch.autograd.graph.saved_tensors_hooks(kept.pack,
+                                                                             kept.unpack):
             outs = dict(zip(sm.outputs, sm.module(*args)))
         del views
         if shard is not None and shard.zero == 3:
             shard.free()  # reshard after every chunk; backward gathers again
         for name, t in outs.items():
             acts[(name, task.mb)] = t
-        saved = _Saved(leaves, outs, deferred=deferred)
+        saved = _Saved(leaves, outs, deferred=deferred,
+                       activation_bytes=kept.bytes_with([*outs.values(),
+                                                         *(x for _, x in leaves)]))
         if sm.model_outputs:
             out = [outs[n] for n in sm.model_outputs]
             pred = out[0] if len(out) == 1 else tuple(out)
@@ -385,6 +391,7 @@ class RankExecutor:
             key = (name, task.mb)
             grads[key] = grads[key] + g if key in grads else g
         saved.acts, saved.outputs, saved.loss = [], {}, None  # the graph is gone
+        saved.activation_bytes = 0
         if shard is not None:
             g = shard.flat.grad
             shard.flat.grad = None

@@ -3,7 +3,7 @@
 On CUDA the allocator's own peak is the truth for the total; on CPU we count the tensors we
 own. Categories: model state (parameters, gradients, optimizer state — what ZeRO shards),
 transient buffers (ZeRO's gathered parameters and unsharded gradients) and the activations
-saved for backward.
+saved for backward (every tensor autograd keeps, counted once per storage).
 """
 
 from __future__ import annotations
@@ -49,8 +49,7 @@ class MemoryLedger:
                 model += sum(_nbytes(p) + _nbytes(p.grad) for p in ps)
         live = 0
         for sv in list(saved.values()):  # another stream may add entries meanwhile
-            live += sum(_nbytes(t) for t in sv.outputs.values())
-            live += sum(_nbytes(t) for _, t in sv.acts)
+            live += sv.activation_bytes  # what autograd saved, the outputs and inputs
             live += _nbytes(sv.flat_grad)  # a split backward's gradient, from I to W
             live += sv.deferred.nbytes() if sv.deferred is not None else 0
         self._model_state_peak = max(self._model_state_peak, model)
@@ -64,3 +63,30 @@ class MemoryLedger:
     def model_state_peak(self) -> int:
         """Peak of parameters + gradients + optimizer state over every step so far."""
         return self._model_state_peak
+
+
+class SavedTensors:
+    """Counts the distinct storages autograd saves during one chunk's forward (parameters
+    and buffers aside: model state), as a `saved_tensors_hooks` pair; `bytes_with`
+    adds the chunk's outputs and activation inputs, each storage once."""
+
+    def __init__(self, exclude: set[int]) -> None:
+        self.exclude = exclude  # storages of the chunk's parameters and buffers
+        self.storages: dict[int, int] = {}
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        st = t.untyped_storage()
+        if st.data_ptr() not in self.exclude:
+            self.storages[st.data_ptr()] = st.nbytes()
+        return t
+
+    @staticmethod
+    def unpack(t: torch.Tensor) -> torch.Tensor:
+        return t
+
+    def bytes_with(self, tensors: list[torch.Tensor]) -> int:
+        seen = dict(self.storages)
+        for t in tensors:
+            st = t.untyped_storage()
+            seen[st.data_ptr()] = st.nbytes()
+        return sum(seen.values())

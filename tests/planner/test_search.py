@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import contextlib
 import io
+import itertools
 import json
 import sqlite3
 
+import optuna
 import pytest
 
 from piper.program import Program
@@ -92,20 +94,25 @@ def test_grid_sampler_covers_the_space(tmp_path, capsys):
     rc, res = run_json(capsys, ["search", GPT, *TINY, "--gpus", "2", "--sampler", "grid",
                                 "--trials", "1000", "--out", str(tmp_path), "--json"])
     assert rc == 0
-    # every feasible point of the space once: the grid is the space's enumeration
+    # every valid point of the space once, and nothing else: the grid walks the space's points
     from cost_models import CATALOG
     from piper.model_file import load_model_file
     from planner.evaluate import Evaluator
-    from search_spaces import PipelineSpace
+    from planner.space import search_space
     from search_spaces.pipeline import ALL_SCHEDULES
 
     ev = Evaluator(load_model_file(GPT, (("size", "tiny"),)), 2, 32, CATALOG["h100-80gb"])
-    space = PipelineSpace(ev.captured.graph.names, ev.region_costs(), 2, 32,
-                          schedules=ALL_SCHEDULES, zeros=(0, 1, 2, 3))
-    feasible = list(space.enumerate())
-    assert res["trials"] == len(feasible)
-    assert {p["schedule"] for p, _ in feasible} == set(ALL_SCHEDULES)
-    assert {p["zero"] for p, _ in feasible} == {0, 1, 2, 3}
+    points = search_space(ev, 8)[0].points()
+    study = optuna.load_study(study_name="piper-plan", storage=f"sqlite:///{tmp_path}/study.db")
+    tried = [t.params for t in study.trials]
+    assert sorted(map(_key, tried)) == sorted(map(_key, points))
+    assert res["trials"] == sum(t.state == optuna.trial.TrialState.COMPLETE for t in study.trials)
+    assert {p["schedule"] for p in points} == set(ALL_SCHEDULES)
+    assert {p["zero"] for p in points} == {0, 1, 2, 3}
+
+
+def _key(params: dict) -> tuple:
+    return tuple(sorted(params.items()))
 
 
 def test_memory_infeasible_search_exits_1(tmp_path, capsys):
@@ -137,3 +144,95 @@ def test_clusters_lists_catalog(capsys):
     out = capsys.readouterr().out
     for name in ("a100-40gb", "a100-80gb", "h100-80gb", "h200", "cpu"):
         assert name in out
+
+
+def test_study_minimises_step_time_and_memory_with_a_memory_constraint(searched):
+    _, out, res = searched
+    study = optuna.load_study(study_name="piper-plan", storage=f"sqlite:///{out}/study.db")
+    assert study.directions == [optuna.study.StudyDirection.MINIMIZE] * 2
+    done = [t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE]
+    assert done and all(set(t.constraints) == {"memory"} for t in done)
+    assert all(t.values[1] == max(t.user_attrs["predicted"]["peak_memory_bytes"]) for t in done)
+    front = [(p["predicted"]["step_time_s"], max(p["predicted"]["peak_memory_bytes"]))
+             for p in res["pareto"]]
+    assert front == sorted(front) and res["best"]["predicted"]["step_time_s"] == front[0][0]
+    assert all(b[1] < a[1] for a, b in itertools.pairwise(front)), "each trades time for memory"
+
+
+def test_show_lists_every_trial_the_best_and_the_pareto_front(searched, capsys):
+    _, out, res = searched
+    rc, shown = run_json(capsys, ["show", str(out), "--json"])
+    assert rc == 0 and len(shown["trials"]) == 12
+    assert shown["best"]["summary"] == res["best"]["summary"]
+    assert [p["trial"] for p in shown["pareto"]] == [p["trial"] for p in res["pareto"]]
+    assert shown["about"]["gpus"] == 4 and shown["about"]["cluster"] == "h100-80gb"
+    assert main(["show", f"sqlite:///{out}/study.db"]) == 0
+    text = capsys.readouterr().out
+    assert f"best: trial {shown['best']['trial']}:" in text and "pareto front" in text
+
+
+def test_exported_trials_round_trip_to_the_same_program_and_prediction(searched, tmp_path,
+                                                                      capsys):
+    _, out, _ = searched
+    _, shown = run_json(capsys, ["show", str(out), "--json"])
+    scored = [t for t in shown["trials"] if "predicted" in t]
+    for trial in (None, scored[0]["trial"]):  # the best (default) and a chosen one
+        files = []
+        for ext in ("py", "json"):
+            f = tmp_path / f"t{trial}.{ext}"
+            argv = ["export", str(out / "study.db"), "--out", str(f)]
+            assert main(argv + ([] if trial is None else ["--trial", str(trial)])) == 0
+            files.append(f)
+        assert Program.load(files[0]) == Program.load(files[1])
+        want = shown["best"] if trial is None else scored[0]
+        assert Program.load(files[1]) == Program.from_json(json.dumps(_program(out, want)))
+        for f in files:
+            _, sim = run_json(capsys, ["simulate", GPT, *TINY, "--gpus", "4", "--strategy",
+                                       str(f), "--json"])
+            assert sim["predicted"]["step_time_s"] == want["predicted"]["step_time_s"]
+
+
+def _program(out, trial: dict) -> dict:
+    study = optuna.load_study(study_name="piper-plan", storage=f"sqlite:///{out}/study.db")
+    return study.trials[trial["trial"]].user_attrs["program"]
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["export", "{out}", "--trial", "999", "--out", "{tmp}/s.py"], "--trial 999: study"),
+    (["export", "{out}", "--out", "{tmp}/s.txt"], "must end in .py"),
+    (["show", "{tmp}/nothing.db"], "no study storage there"),
+    (["show", "{out}", "--study-name", "other"], "no study 'other'"),
+])
+def test_bad_show_and_export_input_is_one_error_line(searched, tmp_path, capsys, argv, needle):
+    _, out, _ = searched
+    rc = main([a.format(out=out, tmp=tmp_path) for a in argv])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and err[0].startswith("error: ") and needle in err[0]
+
+
+def test_search_with_a_seed_is_reproducible(tmp_path, capsys):
+    runs = []
+    for k in range(2):
+        out = tmp_path / str(k)
+        run_json(capsys, ["search", GPT, *TINY, "--gpus", "4", "--trials", "10", "--seed", "7",
+                          "--out", str(out), "--json"])
+        study = optuna.load_study(study_name="piper-plan", storage=f"sqlite:///{out}/study.db")
+        runs.append([(t.params, t.values) for t in study.trials])
+    assert runs[0] == runs[1]
+
+
+@pytest.mark.parametrize("sampler", ["gp", "nsga2"])
+def test_every_sampler_searches_valid_points(sampler, tmp_path):
+    from cost_models import CATALOG
+    from piper.model_file import load_model_file
+    from planner.evaluate import Evaluator
+    from planner.search import run_search
+    from planner.space import search_space
+
+    ev = Evaluator(load_model_file(GPT, (("size", "tiny"),)), 4, 32, CATALOG["h100-80gb"])
+    space, _ = search_space(ev, 8)
+    res = run_search(ev, space, trials=12, timeout=None, sampler=sampler,
+                     storage=f"sqlite:///{tmp_path}/s.db", study_name="s", seed=0,
+                     progress=False)
+    assert res.best is not None and res.trials + res.pruned_trials == 12
+    assert res.failed_trials == 0

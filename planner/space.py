@@ -1,0 +1,45 @@
+"""The space a search walks: the model's default space, less the tensor/expert-parallel
+degrees its code cannot run at.
+
+`model_space` allows a TP degree when every TP_PLAN linear divides by it, but the model's
+forward may still not run split that way (attention heads fewer than the degree, a reshape
+with a hard-coded size). Capturing each degree once (two layers of it, `planner.repeats`)
+finds out before the search, so no trial is spent on a degree that can never run, and every
+worker of a Ray search finds the captures ready.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from planner.evaluate import Evaluator
+from search_spaces import Infeasible
+from search_spaces.pipeline import PipelineSpace, model_space
+
+
+def search_space(evaluator: Evaluator, gpus_per_node: int) -> tuple[PipelineSpace, list[str]]:
+    """The viable default space, and a line per degree left out (with the reason)."""
+    ev = evaluator
+    space = model_space(ev.graph, ev.region_costs(), ev.gpus, ev.batch_size, gpus_per_node)
+    return viable(space, ev)
+
+
+def viable(space: PipelineSpace, evaluator: Evaluator) -> tuple[PipelineSpace, list[str]]:
+    """`space` without the TP/EP degrees whose sharded capture fails; captures the others."""
+    first: dict[tuple[int, int], dict[str, Any]] = {}
+    for p in space.points():
+        first.setdefault((p.get("tp", 1), p.get("ep", 1)), p)
+    bad_tp, bad_ep, why = set(), set(), []
+    for (tp, ep), point in sorted(first.items()):
+        if (tp, ep) == (1, 1) or tp in bad_tp or ep in bad_ep:
+            continue
+        try:
+            evaluator.sharded_costs(evaluator.skeleton(space.program(**point)).sharding)
+        except Infeasible as e:
+            (bad_tp if tp > 1 else bad_ep).add(tp if tp > 1 else ep)
+            why.append(f"{'tp' if tp > 1 else 'ep'}={tp if tp > 1 else ep}: {e}")
+    if not why:
+        return space, why
+    return dataclasses.replace(space, tps=tuple(t for t in space.tps if t not in bad_tp),
+                               eps=tuple(e for e in space.eps if e not in bad_ep)), why

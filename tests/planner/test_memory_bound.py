@@ -1,0 +1,46 @@
+"""The memory bound that rejects points before simulation never exceeds the simulated peak
+(so no point that fits is dropped), and is the simulated peak whenever every device has an
+Order — which is every point the search proposes."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from cost_models import CATALOG
+from piper.model_file import load_model_file
+from planner.evaluate import Evaluator
+from planner.space import search_space
+from tests.conftest import GPT, ROOT
+
+
+def test_bound_is_the_simulated_peak_across_schedules_zero_and_tp():
+    for path, gpus in ((GPT, 4), (str(ROOT / "examples" / "moe.py"), 4)):
+        ev = Evaluator(load_model_file(path, (("size", "tiny"),)), gpus, 16, CATALOG["h100-80gb"])
+        space, _ = search_space(ev, 8)
+        points = space.points()[::7]
+        seen = set()
+        for p in points:
+            prog = space.program(**p)
+            bound = ev.peak_memory_bound(prog)
+            assert bound == max(ev.evaluate(prog).prediction.peak_memory_bytes), p
+            seen.add((p["schedule"], p["zero"], p.get("tp", 1) > 1, p.get("ep", 1) > 1))
+        assert len({s for s, *_ in seen}) == 5 and len({z for _, z, *_ in seen}) == 4
+        assert any(tp or ep for *_, tp, ep in seen)
+
+
+def test_search_prunes_points_that_cannot_fit_without_simulating(tmp_path):
+    from planner.search import run_search
+
+    ev = Evaluator(load_model_file(GPT, (("size", "tiny"),)), 4, 32, CATALOG["h100-80gb"])
+    space, _ = search_space(ev, 8)
+    peaks = sorted(ev.peak_memory_bound(space.program(**p)) for p in space.points())
+    small = dataclasses.replace(CATALOG["h100-80gb"], memory_bytes=peaks[len(peaks) // 2])
+    ev = Evaluator(ev.spec, 4, 32, small)
+    simulated = []
+    real = ev.evaluate
+    ev.evaluate = lambda prog: simulated.append(prog) or real(prog)  # count the simulations
+    res = run_search(ev, space, trials=30, timeout=None, sampler="tpe",
+                     storage=f"sqlite:///{tmp_path}/s.db", study_name="s", seed=0,
+                     progress=False)
+    assert res.pruned_trials > 0 and len(simulated) == res.trials
+    assert all(r.feasible for r in res.records), "what is simulated fits"

@@ -47,7 +47,7 @@ SPEED_CASES = (
 QUALITY_CASES = (
     ("gpt-1b x16", "examples/gpt.py", (("size", "1b"),), 16, None),
     ("llama-7b x16", "examples/llama.py", (("size", "7b"),), 16, None),
-    ("llama-70b x64 b256", "examples/llama.py", (("size", "70b"),), 64, 256),
+    ("moe-1b x16", "examples/moe.py", (("size", "1b"),), 16, None),
 )
 BUDGET = 0.10
 """The default search's trials, as a share of the grid's."""
@@ -174,7 +174,9 @@ def quality(seeds: int, only: str | None) -> None:
             t0 = time.process_time()
             grid = search("grid", n, 0)
             grid_cpu = time.process_time() - t0
-            assert grid.best is not None, name
+            if grid.best is None:
+                log(f"{name}: no point fits in memory; nothing to compare")
+                continue
             gbest = grid.best.predicted["step_time_s"]
             budget = max(1, round(BUDGET * n))
             runs = []

@@ -13,7 +13,16 @@ from cost_models.analytical import task_costs
 from cost_models.sharded import InGraphComm, with_in_graph_comm
 from piper.capture import ModelGraph
 from piper.dag import TrainingDAG, single_device_dag
-from piper.directives import Order, Split, SplitBackward, Stream
+from piper.directives import (
+    Order,
+    Place,
+    Replicate,
+    Shard,
+    ShardTensor,
+    Split,
+    SplitBackward,
+    Stream,
+)
 from piper.errors import PiperError
 from piper.model_file import ModelSpec, load_model_file
 from piper.program import Program
@@ -57,6 +66,8 @@ class Evaluator:
     same graph and costs, a fraction of the capture time."""
     _sharded: dict[ModelSharding, tuple[ModelCosts, InGraphComm]] = field(
         default_factory=dict, repr=False)
+    _stage_cuts: dict[tuple, tuple[list, list]] = field(default_factory=dict, repr=False)
+    _shardings: dict[tuple, ModelSharding] = field(default_factory=dict, repr=False)
 
     @cached_property
     def captured(self) -> PlanningCapture:
@@ -111,13 +122,30 @@ class Evaluator:
 
     def peak_memory_bound(self, program: Program) -> int:
         """Most bytes any rank of `program` holds, from its directives without scheduling or
-        simulating (`planner.memory_bound`): never above the simulated peak."""
-        dag = self.skeleton(program)
-        costs = self.costs if dag.sharding.trivial else self.sharded_costs(dag.sharding)[0]
+        simulating (`planner.memory_bound`): never above the simulated peak.
+
+        Milliseconds even on 1024 devices: the stage cut comes from applying the Place
+        directives alone to the one-device DAG, the sharding from one skeleton per set of
+        sharding directives; both are memoised, as thousands of points share them."""
+        ds = program.directives
+        places = tuple(d for d in ds if isinstance(d, Place))
+        if places not in self._stage_cuts:
+            dag = Program(list(places)).apply(self.dag)
+            self._stage_cuts[places] = ([s.regions for s in dag.stages],
+                                        [s.device for s in dag.stages])
+        regions, devices = self._stage_cuts[places]
+        rep = next((d for d in ds if isinstance(d, Replicate)), None)
+        shards = tuple(d for d in ds if isinstance(d, (ShardTensor, Shard)))
+        sharding = ModelSharding()
+        if shards:
+            if shards not in self._shardings:
+                self._shardings[shards] = self.skeleton(program).sharding
+            sharding = self._shardings[shards]
+        costs = self.costs if sharding.trivial else self.sharded_costs(sharding)[0]
         return max(device_peaks(
-            [s.regions for s in dag.stages], [s.device for s in dag.stages],
-            [d for d in program.directives if isinstance(d, Order)], dp=dag.dp, zero=dag.zero,
-            costs=costs, microbatch_size=program_microbatch_size(program, self.batch_size)))
+            regions, devices, [d for d in ds if isinstance(d, Order)],
+            dp=rep.degree if rep else 1, zero=rep.zero if rep else 0, costs=costs,
+            microbatch_size=program_microbatch_size(program, self.batch_size)))
 
     def evaluate(self, program: Program) -> Evaluation:
         """Apply, schedule and simulate `program`, or return the cached result for its key."""

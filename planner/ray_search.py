@@ -28,7 +28,7 @@ from ray.tune.search.optuna import OptunaSearch
 from planner.evaluate import Evaluator
 from planner.records import OBJECTIVES, SearchResult, open_study, result_of
 from planner.samplers import PointsSampler, make_sampler
-from planner.search import Scored, _check_not_empty, describe, score, store
+from planner.search import Scored, _check_not_empty, describe, fits, score, store
 from planner.space import viable
 from runtime.launcher import ensure_ray
 from search_spaces import Infeasible, SearchSpace
@@ -51,7 +51,8 @@ def run_ray_search(evaluator: Evaluator, space: SearchSpace, *, trials: int,
         study = open_study(db, study_name, create=True)  # checks its shape before Tune does
         describe(study, evaluator)
         earlier = len(study.trials)
-        smp = make_sampler(sampler, space, None if seed is None else seed + earlier, trials)
+        smp = make_sampler(sampler, space, None if seed is None else seed + earlier, trials,
+                           admissible=fits(evaluator, space))
         if isinstance(smp, PointsSampler):
             trials = min(trials, len(smp))
         viable(space, evaluator)  # every slice captured here, once, before it ships

@@ -19,6 +19,7 @@ import json
 import sys
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -75,6 +76,20 @@ def score(evaluator: Evaluator, space: SearchSpace, point: dict[str, Any]) -> Sc
                   predicted_json(ev.prediction))
 
 
+def fits(evaluator: Evaluator, space: SearchSpace) -> Callable[[dict[str, Any]], bool]:
+    """Whether a point can fit the device by the memory formulas (milliseconds, no
+    simulation); a point whose bound cannot be computed is let through, for its trial to
+    say why."""
+    capacity = evaluator.cluster.memory_bytes
+
+    def admissible(point: dict[str, Any]) -> bool:
+        try:
+            return evaluator.peak_memory_bound(space.program(**point)) <= capacity
+        except Exception:  # noqa: BLE001 - the trial reports it
+            return True
+    return admissible
+
+
 def run_search(evaluator: Evaluator, space: SearchSpace, *, trials: int, timeout: float | None,
                sampler: str, storage: str, study_name: str, seed: int | None,
                progress: bool = True) -> SearchResult:
@@ -87,7 +102,7 @@ def run_search(evaluator: Evaluator, space: SearchSpace, *, trials: int, timeout
     earlier = len(study.trials)
     # a resumed TPE must not replay the first run's random start from the same seed
     study.sampler = make_sampler(sampler, space, None if seed is None else seed + earlier,
-                                 trials)
+                                 trials, admissible=fits(evaluator, space))
     capacity = evaluator.cluster.memory_bytes
     start = time.perf_counter()
     if isinstance(study.sampler, PointsSampler):
@@ -120,6 +135,10 @@ def run_search(evaluator: Evaluator, space: SearchSpace, *, trials: int, timeout
     # optimize() rather than ask/tell: the grid sampler stops the study from its callback.
     study.optimize(objective, n_trials=trials, timeout=timeout, catch=(Exception,),
                    show_progress_bar=progress)
+    skipped = getattr(study.sampler, "skipped", 0)
+    if skipped:
+        print(f"the sampler passed over {skipped} points that cannot fit in memory (by the "
+              "memory formulas, without a trial)", file=sys.stderr, flush=True)
     return result_of(study, time.perf_counter() - start)
 
 

@@ -141,8 +141,12 @@ def export(study: optuna.Study, trial: int | None, out: str) -> tuple[Path, Tria
         a = study.user_attrs
         spec = ModelSpec(path=a.get("model", "MODEL.py"),
                          model_args=tuple(tuple(x) for x in a.get("model_args", [])))
-        text = rec.program.to_python(strategy_header(
-            spec, a.get("cluster", "?"), a.get("gpus", 0), a.get("batch_size", 0), rec, path))
+        header = strategy_header(spec, a.get("cluster", "?"), a.get("gpus", 0),
+                                 a.get("batch_size", 0), rec, path)
+        header = [f"found by: trial {rec.number} of study {study.study_name!r} (exported "
+                  f"by {line.removeprefix('found by: ')})" if line.startswith("found by:")
+                  else line for line in header]
+        text = rec.program.to_python(header)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text)
     return path, rec

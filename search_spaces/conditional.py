@@ -65,3 +65,34 @@ def sample(trial: TrialLike, dims: Sequence[Dimension], points: Sequence[tuple[A
 def _distinct(values: list[Any], ordinal: bool) -> list[Any]:
     unique = list(dict.fromkeys(values))
     return sorted(unique) if ordinal else unique
+
+
+def params_for(dims: Sequence[Dimension], points: Sequence[tuple[Any, ...]],
+               point: tuple[Any, ...]) -> dict[str, Any]:
+    """The trial parameters `sample` turns into `point` (its inverse): a sampler can propose
+    a chosen point, e.g. one not tried yet, in the parameters it models."""
+    params: dict[str, Any] = {}
+    rest = list(points)
+    for i, d in enumerate(dims):
+        everywhere = _distinct([p[i] for p in points], d.ordinal)
+        here = _distinct([p[i] for p in rest], d.ordinal)
+        if len(everywhere) > 1:
+            if d.ordinal:
+                params[quantile_name(d.name)] = (here.index(point[i]) + 0.5) / len(here)
+            else:
+                params[d.name] = point[i]
+        rest = [p for p in rest if p[i] == point[i]]
+    return params
+
+
+def parameters(dims: Sequence[Dimension], points: Sequence[tuple[Any, ...]]
+               ) -> dict[str, list[Any] | None]:
+    """Every parameter `sample` asks: categorical ones with their choices, in the order it
+    offers them; position parameters (floats in [0, 1]) with None."""
+    out: dict[str, list[Any] | None] = {}
+    for i, d in enumerate(dims):
+        everywhere = _distinct([p[i] for p in points], d.ordinal)
+        if len(everywhere) > 1:
+            out[quantile_name(d.name) if d.ordinal else d.name] = (
+                None if d.ordinal else everywhere)
+    return out

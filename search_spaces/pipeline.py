@@ -74,6 +74,16 @@ class PipelineSpace(SearchSpace):
         point = conditional.sample(trial, SAMPLE_ORDER, _feasible_tuples(self))
         return {k: v for k, v in point.items() if k in keys}
 
+    def parameters(self) -> dict[str, list[Any] | None]:
+        """What `sample` asks: categorical choices, or None for a position in [0, 1]."""
+        return conditional.parameters(SAMPLE_ORDER, _feasible_tuples(self))
+
+    def params_of(self, point: dict[str, Any]) -> dict[str, Any]:
+        """The trial parameters `sample` maps to `point` (a feasible point)."""
+        full = {"tp": 1, "ep": 1, "zero": 0, **point}
+        return conditional.params_for(SAMPLE_ORDER, _feasible_tuples(self),
+                                      tuple(full[k] for k in _NAMES))
+
     def points(self) -> list[dict[str, Any]]:
         keys = list(self.grid())
         return [{k: dict(zip(_NAMES, t, strict=True))[k] for k in keys}

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
+
 from cost_models import CATALOG
 from piper.model_file import load_model_file
 from planner.evaluate import Evaluator
@@ -28,7 +30,8 @@ def test_bound_is_the_simulated_peak_across_schedules_zero_and_tp():
         assert any(tp or ep for *_, tp, ep in seen)
 
 
-def test_search_prunes_points_that_cannot_fit_without_simulating(tmp_path):
+@pytest.mark.parametrize("sampler", ["tpe", "grid"])
+def test_points_that_cannot_fit_are_never_simulated(sampler, tmp_path, capsys):
     from planner.search import run_search
 
     ev = Evaluator(load_model_file(GPT, (("size", "tiny"),)), 4, 32, CATALOG["h100-80gb"])
@@ -39,8 +42,11 @@ def test_search_prunes_points_that_cannot_fit_without_simulating(tmp_path):
     simulated = []
     real = ev.evaluate
     ev.evaluate = lambda prog: simulated.append(prog) or real(prog)  # count the simulations
-    res = run_search(ev, space, trials=30, timeout=None, sampler="tpe",
+    res = run_search(ev, space, trials=30, timeout=None, sampler=sampler,
                      storage=f"sqlite:///{tmp_path}/s.db", study_name="s", seed=0,
                      progress=False)
-    assert res.pruned_trials > 0 and len(simulated) == res.trials
-    assert all(r.feasible for r in res.records), "what is simulated fits"
+    assert len(simulated) == res.trials and all(r.feasible for r in res.records)
+    if sampler == "grid":  # the grid walks every point: those that cannot fit are pruned
+        assert res.pruned_trials > 0
+    else:  # the sampler passes them over: every trial is spent on one that fits
+        assert res.trials == 30 and "passed over" in capsys.readouterr().err

@@ -57,7 +57,7 @@ def test_exported_script_and_json_are_the_same_program(searched):
 def test_simulating_exported_strategy_gives_searched_prediction(searched, capsys):
     _, out, res = searched
     best = res["best"]
-    assert best["summary"]["pp"] * best["summary"]["dp"] == 4
+    assert best["summary"]["pp"] * best["summary"]["dp"] * best["summary"]["tp"] == 4
     assert set(best["predicted"]) == {"step_time_s", "peak_memory_bytes", "tokens_per_s", "mfu"}
     assert res["feasible_trials"] <= res["trials"] <= 12
     for f in ("best_strategy.py", "best_strategy.json"):
@@ -92,7 +92,8 @@ def test_resume_adds_trials_to_the_same_study(tmp_path, capsys):
 
 def test_grid_sampler_covers_the_space(tmp_path, capsys):
     rc, res = run_json(capsys, ["search", GPT, *TINY, "--gpus", "2", "--sampler", "grid",
-                                "--trials", "1000", "--out", str(tmp_path), "--json"])
+                                "--batch-size", "4", "--trials", "1000", "--out", str(tmp_path),
+                                "--json"])
     assert rc == 0
     # every valid point of the space once, and nothing else: the grid walks the space's points
     from cost_models import CATALOG
@@ -101,7 +102,7 @@ def test_grid_sampler_covers_the_space(tmp_path, capsys):
     from planner.space import search_space
     from search_spaces.pipeline import ALL_SCHEDULES
 
-    ev = Evaluator(load_model_file(GPT, (("size", "tiny"),)), 2, 32, CATALOG["h100-80gb"])
+    ev = Evaluator(load_model_file(GPT, (("size", "tiny"),)), 2, 4, CATALOG["h100-80gb"])
     points = search_space(ev, 8)[0].points()
     study = optuna.load_study(study_name="piper-plan", storage=f"sqlite:///{tmp_path}/study.db")
     tried = [t.params for t in study.trials]
@@ -135,7 +136,7 @@ def test_default_search_on_1b_gpt_finds_a_strategy(tmp_path, capsys):
                                 str(tmp_path), "--json"])
     assert rc == 0
     s = res["best"]["summary"]
-    assert s["dp"] * s["pp"] == 16
+    assert s["dp"] * s["pp"] * s["tp"] == 16
     assert res["best"]["predicted"]["step_time_s"] > 0
 
 
@@ -210,15 +211,24 @@ def test_bad_show_and_export_input_is_one_error_line(searched, tmp_path, capsys,
     assert rc == 2 and len(err) == 1 and err[0].startswith("error: ") and needle in err[0]
 
 
-def test_search_with_a_seed_is_reproducible(tmp_path, capsys):
+def test_search_with_a_seed_is_reproducible(tmp_path):
+    from cost_models import CATALOG
+    from piper.model_file import load_model_file
+    from planner.evaluate import Evaluator
+    from planner.search import run_search
+    from planner.space import search_space
+
+    ev = Evaluator(load_model_file(GPT, (("size", "tiny"),)), 4, 32, CATALOG["h100-80gb"])
+    space, _ = search_space(ev, 8)
     runs = []
     for k in range(2):
-        out = tmp_path / str(k)
-        run_json(capsys, ["search", GPT, *TINY, "--gpus", "4", "--trials", "10", "--seed", "7",
-                          "--out", str(out), "--json"])
-        study = optuna.load_study(study_name="piper-plan", storage=f"sqlite:///{out}/study.db")
+        storage = f"sqlite:///{tmp_path}/{k}.db"
+        run_search(ev, space, trials=12, timeout=None, sampler="tpe", storage=storage,
+                   study_name="s", seed=7, progress=False)
+        study = optuna.load_study(study_name="s", storage=storage)
         runs.append([(t.params, t.values) for t in study.trials])
     assert runs[0] == runs[1]
+    assert len({json.dumps(p, sort_keys=True) for p, _ in runs[0]}) == 12, "no point twice"
 
 
 @pytest.mark.parametrize("sampler", ["gp", "nsga2"])
@@ -231,8 +241,8 @@ def test_every_sampler_searches_valid_points(sampler, tmp_path):
 
     ev = Evaluator(load_model_file(GPT, (("size", "tiny"),)), 4, 32, CATALOG["h100-80gb"])
     space, _ = search_space(ev, 8)
-    res = run_search(ev, space, trials=12, timeout=None, sampler=sampler,
+    res = run_search(ev, space, trials=8, timeout=None, sampler=sampler,
                      storage=f"sqlite:///{tmp_path}/s.db", study_name="s", seed=0,
                      progress=False)
-    assert res.best is not None and res.trials + res.pruned_trials == 12
+    assert res.best is not None and res.trials + res.pruned_trials == 8
     assert res.failed_trials == 0

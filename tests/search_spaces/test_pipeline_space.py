@@ -201,3 +201,16 @@ def test_expert_parallel_points_split_replicas() -> None:
     assert (1, 4) in seen and (2, 2) in seen and (2, 4) not in seen
     with pytest.raises(Infeasible, match="ep=4 does not divide dp=2"):
         s.program(pp=2, microbatches=2, schedule="1f1b", ep=4)
+
+
+def test_params_of_is_the_inverse_of_sample() -> None:
+    from search_spaces.pipeline import ALL_SCHEDULES
+
+    sp = space(8, 32, schedules=ALL_SCHEDULES, zeros=(0, 1, 2, 3), tps=(1, 2, 4))
+    names = sp.parameters()
+    assert names == {"schedule": list(ALL_SCHEDULES), "zero": [0, 1, 2, 3],
+                     "tp_quantile": None, "pp_quantile": None, "microbatches_quantile": None}
+    for p in sp.points():
+        params = sp.params_of(p)
+        assert set(params) == set(names)
+        assert sp.sample(optuna.trial.FixedTrial(params)) == p

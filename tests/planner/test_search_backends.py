@@ -1,0 +1,52 @@
+"""The Ray Tune backend and `--measure`: the same space and outputs as the embedded search,
+trials spread over Ray; the best few predicted strategies run for real and re-ranked."""
+
+from __future__ import annotations
+
+import json
+
+import optuna
+
+from planner.cli import main
+from tests.conftest import GPT, TINY
+
+
+def run_json(capsys, argv):
+    rc = main(argv)
+    captured = capsys.readouterr()
+    out = captured.out.strip().splitlines()
+    assert len(out) == 1, (captured.out, captured.err[-3000:])
+    return rc, json.loads(out[0]), captured.err
+
+
+def test_ray_backend_writes_the_same_outputs_and_study(ray_session, tmp_path, capsys):
+    rc, res, _ = run_json(capsys, ["search", GPT, *TINY, "--gpus", "2", "--trials", "3",
+                                   "--backend", "ray", "--out", str(tmp_path), "--json"])
+    assert rc == 0 and ray_session.is_initialized(), "a Ray it did not start stays up"
+    for name in ("best_strategy.py", "best_strategy.json", "trials.csv", "summary.txt"):
+        assert (tmp_path / name).is_file(), name
+    study = optuna.load_study(study_name="piper-plan", storage=f"sqlite:///{tmp_path}/study.db")
+    assert len(study.trials) == 3 and all(t.state.is_finished() for t in study.trials)
+    done = [t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE]
+    assert res["trials"] == len(done) > 0
+    assert all({"point", "summary", "program", "predicted"} <= set(t.user_attrs) for t in done)
+    assert all(set(t.constraints) == {"memory"} for t in done)
+    best = min((t for t in done if t.constraints["memory"] <= 0), key=lambda t: t.values[0])
+    assert res["best"]["summary"] == best.user_attrs["summary"]
+
+
+def test_measure_runs_the_best_four_and_reranks_them(ray_session, tmp_path, capsys):
+    rc, res, err = run_json(capsys, ["search", GPT, *TINY, "--gpus", "4", "--device", "cpu",
+                                     "--measure", "4", "--trials", "16", "--out",
+                                     str(tmp_path), "--json"])
+    assert rc == 0
+    measured = res["measured"]
+    assert len(measured) == 4 and len({m["trial"] for m in measured}) == 4
+    assert all(m["error"] is None and m["measured_step_time_s"] > 0 for m in measured)
+    times = [m["measured_step_time_s"] for m in measured]
+    assert times == sorted(times), "re-ranked by measured median step time"
+    assert res["best"]["summary"] == measured[0]["summary"]
+    assert res["best"]["measured"]["step_time_s"] == times[0]
+    predicted = sorted(p["predicted_step_time_s"] for p in measured)
+    assert all(m["predicted_step_time_s"] > 0 for m in measured) and predicted
+    assert "predicted ms" in err and "measured ms" in err  # side by side on stderr

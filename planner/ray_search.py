@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
 import sys
 import time
 from typing import Any
@@ -72,8 +73,14 @@ def run_ray_search(evaluator: Evaluator, space: SearchSpace, *, trials: int,
                                       storage_path=os.path.abspath(os.path.join(out, "ray"))),
         )
         os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")  # no banner: logs are ours
-        with contextlib.redirect_stdout(sys.stderr):  # --json: stdout carries one object
-            tuner.fit()
+        # Tune installs a SIGINT handler of its own (a graceful stop) and leaves it behind
+        # when no signal came: put ours back, so a later Ctrl-C interrupts again
+        handler = signal.getsignal(signal.SIGINT)
+        try:
+            with contextlib.redirect_stdout(sys.stderr):  # --json: stdout carries one object
+                tuner.fit()
+        finally:
+            signal.signal(signal.SIGINT, handler)
         return result_of(open_study(db, study_name, create=False),
                          time.perf_counter() - start)
     finally:

@@ -4,6 +4,7 @@ trials spread over Ray; the best few predicted strategies run for real and re-ra
 from __future__ import annotations
 
 import json
+import signal
 
 import optuna
 
@@ -20,9 +21,11 @@ def run_json(capsys, argv):
 
 
 def test_ray_backend_writes_the_same_outputs_and_study(ray_session, tmp_path, capsys):
+    handler = signal.getsignal(signal.SIGINT)
     rc, res, _ = run_json(capsys, ["search", GPT, *TINY, "--gpus", "2", "--trials", "3",
                                    "--backend", "ray", "--out", str(tmp_path), "--json"])
     assert rc == 0 and ray_session.is_initialized(), "a Ray it did not start stays up"
+    assert signal.getsignal(signal.SIGINT) is handler, "Tune's Ctrl-C handler was left behind"
     for name in ("best_strategy.py", "best_strategy.json", "trials.csv", "summary.txt"):
         assert (tmp_path / name).is_file(), name
     study = optuna.load_study(study_name="piper-plan", storage=f"sqlite:///{tmp_path}/study.db")

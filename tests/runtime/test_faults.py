@@ -94,9 +94,12 @@ def test_killed_worker_is_named_with_its_task_within_60s(ray_session, capsys, tm
 
 def test_hung_worker_hits_the_process_group_timeout(ray_session, capsys, tmp_path,
                                                     monkeypatch):
-    """A stopped rank hangs its partners in a collective; --timeout reaches the process
-    groups, so the partner's all-reduce times out (before the driver's own deadline of
-    timeout + 10 s, whose message is different) and names the silent rank too."""
+    """A stopped rank is reported, naming it, within the timeout plus the driver's slack.
+
+    Where the stop lands decides who notices: inside a step before its collectives, the
+    partner's all-reduce times out (--timeout reaches the process groups) and the message
+    names the silent rank too; after them (in the update), the partner finishes the step and
+    the driver's deadline for the step (timeout + 10 s) names the silent rank itself."""
     monkeypatch.setenv("PIPER_RUN_DIR", str(tmp_path))
     s = Saboteur(tmp_path, rank=1, at_step=1, act=lambda p: os.kill(p.pid, signal.SIGSTOP))
     try:
@@ -106,10 +109,14 @@ def test_hung_worker_hits_the_process_group_timeout(ray_session, capsys, tmp_pat
             os.kill(s.progress.pid, signal.SIGKILL)
     print(f"detected a hung worker in {detect_s:.2f} s (timeout 3 s)")
     assert rc == 3
-    assert re.match(r"error: rank 0 failed during step \d+( while running task \S+)?: "
-                    r"RuntimeError: .*[Tt]imed out", line), line
-    assert re.search(r"still running: rank 1 during step \d+", line), line
-    assert detect_s < 3 + 10
+    by_partner = re.match(r"error: rank 0 failed during step \d+( while running task \S+)?: "
+                          r"RuntimeError: .*[Tt]imed out", line)
+    by_driver = re.match(r"error: rank 1 did not finish step \d+ within 13s: rank 1 during "
+                         r"step \d+", line)
+    assert by_partner or by_driver, line
+    if by_partner:
+        assert re.search(r"still running: rank 1 during step \d+", line), line
+    assert detect_s < 3 + 10 + 2
 
 
 def test_ctrl_c_stops_every_worker(ray_session, capsys, tmp_path, monkeypatch):

@@ -8,6 +8,10 @@ backward, not an upper bound from op outputs.
 
 With recompute (activation checkpointing per region, Megatron-style per layer), a region
 keeps only its inputs and rebuilds the rest in backward, so its figure is its inputs' bytes.
+
+The output region also holds the model's outputs until its backward (the runtime keeps them
+as backward's roots) and what the loss saves: for a language model the logits and their
+log-softmax, each batch x tokens x vocabulary, often the largest activation of the model.
 """
 
 from __future__ import annotations
@@ -59,8 +63,29 @@ def _region(captured: Captured, index: int) -> tuple[int, int]:
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        sm.module(*args)
-    return sum(packed.values()), input_bytes
+        outs = dict(zip(sm.outputs, sm.module(*args)))
+    tail = _output_tail(captured, [outs[n] for n in sm.model_outputs], state | set(packed))
+    return sum(packed.values()) + tail, input_bytes + tail
+
+
+def _output_tail(captured: Captured, outputs: list[torch.Tensor], skip: set[int]) -> int:
+    """Bytes the model's outputs and the loss on them keep until backward (kept with or
+    without recompute: the loss runs outside the stage)."""
+    if not outputs:
+        return 0
+    packed: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if _storage(t) not in skip:
+            packed[_storage(t)] = max(packed.get(_storage(t), 0), _nbytes(t))
+        return t
+
+    if captured.loss is not None:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            captured.loss(outputs[0] if len(outputs) == 1 else tuple(outputs), captured.targets)
+    for t in outputs:
+        pack(t)
+    return sum(packed.values())
 
 
 _SDPA = torch.ops.aten.scaled_dot_product_attention.default

@@ -78,7 +78,9 @@ def simulate(plan: Plan, costs: ModelCosts, cluster: ClusterSpec, microbatch_siz
     model_flops = MODEL_FLOPS_PER_FORWARD * costs.forward_flops_per_sample * samples
     if step > 0:
         tokens_per_s = samples * costs.tokens_per_sample / step
-        mfu = model_flops / (step * plan.world_size * cluster.flops)
+        # against the peak of the model's own precision (a bf16 model's is the bf16 peak)
+        peak = cluster.peak_flops(low_precision=costs.element_size < 4)
+        mfu = model_flops / (step * plan.world_size * peak)
     else:  # nothing costs time (e.g. a zero-cost model): report no rate rather than infinity
         tokens_per_s = mfu = 0.0
     busy, streams = usage(plan, spans, step)

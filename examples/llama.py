@@ -6,8 +6,12 @@ and a SwiGLU MLP. Regions `embed`, `layer` (numbered), `head`.
         --tp 2 --microbatches 2 --steps 3 --check
 
 Configs (`--model-arg size=...`): `tiny` for tests, `7b` (Llama-2-7B shapes), `70b`
-(Llama-2-70B: 8 key/value heads for 64 query heads). Written for tensor parallelism
-(`TP_PLAN`: heads and the MLP's hidden units split; reshapes use -1 for the local heads).
+(Llama-2-70B: 8 key/value heads for 64 query heads), `qwen3-1b` (Qwen3-style: RMSNorm on
+each head's queries and keys, tied input/output embedding, 151,936-token vocabulary; 1.1B
+parameters), `qwen3-tiny` (its shapes scaled down, for tests). `--model-arg dtype=bfloat16`
+builds the model in bf16 (planning; the CPU runtime trains in the dtype it is given).
+Written for tensor parallelism (`TP_PLAN`: heads and the MLP's hidden units split; reshapes
+use -1 for the local heads).
 """
 
 from __future__ import annotations
@@ -31,6 +35,8 @@ class LlamaConfig:
     kv_heads: int
     ffn: int
     rope_theta: float = 10000.0
+    qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on queries and keys before RoPE
+    tie: bool = False  # output projection shares the token embedding
 
 
 CONFIGS = {
@@ -39,6 +45,10 @@ CONFIGS = {
                       ffn=11008),
     "70b": LlamaConfig(vocab=32000, seq=4096, dim=8192, layers=80, heads=64, kv_heads=8,
                        ffn=28672),
+    "qwen3-1b": LlamaConfig(vocab=151936, seq=1024, dim=2048, layers=16, heads=16, kv_heads=8,
+                            ffn=6144, rope_theta=1e6, qk_norm=True, tie=True),
+    "qwen3-tiny": LlamaConfig(vocab=128, seq=16, dim=32, layers=4, heads=4, kv_heads=2, ffn=64,
+                              rope_theta=1e6, qk_norm=True, tie=True),
 }
 BATCH_SIZE = 32
 TP_PLAN = {
@@ -77,14 +87,16 @@ class Block(nn.Module):
         self.w1 = nn.Linear(c.dim, c.ffn, bias=False)
         self.w3 = nn.Linear(c.dim, c.ffn, bias=False)
         self.w2 = nn.Linear(c.ffn, c.dim, bias=False)
+        self.q_norm = nn.RMSNorm(hd) if c.qk_norm else nn.Identity()
+        self.k_norm = nn.RMSNorm(hd) if c.qk_norm else nn.Identity()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, _ = x.shape
         c = self.c
         hd = c.dim // c.heads
         h = self.attn_norm(x)
-        q = rotate(self.wq(h).view(b, t, -1, hd).transpose(1, 2), c.rope_theta)
-        k = rotate(self.wk(h).view(b, t, -1, hd).transpose(1, 2), c.rope_theta)
+        q = rotate(self.q_norm(self.wq(h).view(b, t, -1, hd)).transpose(1, 2), c.rope_theta)
+        k = rotate(self.k_norm(self.wk(h).view(b, t, -1, hd)).transpose(1, 2), c.rope_theta)
         v = self.wv(h).view(b, t, -1, hd).transpose(1, 2)
         # fused attention (flash on GPUs): no t x t score matrix is kept for backward;
         # enable_gqa lets each key/value head serve heads/kv_heads query heads
@@ -101,6 +113,10 @@ class Llama(nn.Module):
         self.layers = nn.ModuleList(Block(c) for _ in range(c.layers))
         self.norm = nn.RMSNorm(c.dim)
         self.out = nn.Linear(c.dim, c.vocab, bias=False)
+        if c.tie:  # one matrix for both: a small init, as the embedding's N(0, 1) would
+            # make logits of size sqrt(dim)
+            nn.init.normal_(self.tok.weight, std=0.02)
+            self.out.weight = self.tok.weight
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         with piper.annotate("embed"):
@@ -112,12 +128,15 @@ class Llama(nn.Module):
             return self.out(self.norm(x))
 
 
-def build_model(size: str = "7b") -> Llama:
+def build_model(size: str = "7b", dtype: str = "float32") -> Llama:
     global _size
     if size not in CONFIGS:
         raise ValueError(f"size must be one of {sorted(CONFIGS)}, got {size!r}")
+    if not isinstance(getattr(torch, dtype, None), torch.dtype):
+        raise TypeError(f"dtype must be a torch dtype such as float32 or bfloat16, got "
+                         f"{dtype!r}")
     _size = size
-    return Llama(CONFIGS[size])
+    return Llama(CONFIGS[size]).to(getattr(torch, dtype))
 
 
 def example_batch(batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:

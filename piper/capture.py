@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 import torch
 import torch.fx.traceback as fx_traceback
@@ -117,6 +118,10 @@ class Captured:
     program: ExportedProgram
     graph: ModelGraph
     node_region: dict[str, int]
+    loss: Callable[[Any, Any], torch.Tensor] | None = field(default=None, compare=False)
+    """The model file's loss and its targets on meta: what the loss keeps for backward (a
+    log-softmax the size of the logits) is activation memory of the output stage."""
+    targets: Any = field(default=None, compare=False)
 
 
 def capture(spec: ModelSpec, batch: int, sharding: ModelSharding | None = None, *,
@@ -133,7 +138,7 @@ def capture(spec: ModelSpec, batch: int, sharding: ModelSharding | None = None, 
             model = spec.build()
             if prepare is not None:
                 prepare(model)
-            inputs, _ = spec.batch(batch)
+            inputs, targets = spec.batch(batch)
             if sharding is not None:
                 sharding.apply(model, 0, 0)
     except PiperError:
@@ -149,7 +154,8 @@ def capture(spec: ModelSpec, batch: int, sharding: ModelSharding | None = None, 
         raise PiperError(f"{spec.path}: capturing the model failed: {type(e).__name__}: {msg}")
     cap = _regions(ep, spec.path, batch)
     return replace(cap, graph=replace(cap.graph, **_modules(model, cap.graph),
-                                      tp_plan=spec.tp_plan))
+                                      tp_plan=spec.tp_plan),
+                   loss=spec.loss_fn, targets=targets)
 
 
 def _modules(model: torch.nn.Module, mg: ModelGraph) -> dict:

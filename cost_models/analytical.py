@@ -71,13 +71,17 @@ class ModelCosts:
     """Per region, parameter tensors it owns (an optimizer step costs per tensor)."""
     recompute_bytes: tuple[int, ...] = ()
     """Per region, what it keeps when recomputed in backward: its inputs."""
+    output_bytes: tuple[int, ...] = ()
+    """Per region, the part of both figures above that the model's outputs and the loss
+    keep until backward (the output region's logits and log-softmax): kept either way,
+    never rebuilt."""
     _ops_match: bool = field(init=False, repr=False, compare=False, hash=False, default=False)
 
     def __post_init__(self) -> None:
         n = len(self.regions)
         if not (len(self.forward_flops) == len(self.activation_bytes) == len(self.params) == n):
             raise ValueError("ModelCosts: every per-region tuple must have one entry per region")
-        for f in ("ops", "param_tensors", "recompute_bytes"):
+        for f in ("ops", "param_tensors", "recompute_bytes", "output_bytes"):
             if getattr(self, f) and len(getattr(self, f)) != n:
                 raise ValueError(f"ModelCosts: {f} must be empty or have one entry per region")
         # op records describe `forward_flops`; figures replaced without them (a what-if
@@ -104,8 +108,9 @@ class ModelCosts:
 
     def recompute_peak_bytes_of(self, regions: Sequence[str], samples: float) -> float:
         """Under recompute, the largest one region rebuilds while its backward runs."""
-        return max((self.activation_bytes[self.regions.index(r)] for r in regions),
-                   default=0) * samples / self.batch
+        kept = self.output_bytes or (0,) * len(self.regions)
+        return max((self.activation_bytes[i] - kept[i]
+                    for i in map(self.regions.index, regions)), default=0) * samples / self.batch
 
     def param_tensors_of(self, regions: Sequence[str]) -> int:
         return self._sum(self.param_tensors, regions) if self.param_tensors else len(regions)
@@ -162,6 +167,7 @@ def model_costs(captured: Captured) -> ModelCosts:
                   for groups in counter.ops),
         param_tensors=tuple(len(r.params) for r in mg.regions),
         recompute_bytes=measured[1] if measured else (),
+        output_bytes=measured[2] if measured else (),
     )
 
 
@@ -262,6 +268,9 @@ class TaskCosts:
     """Per stage: what its ALL_REDUCE moves."""
     value_bytes: tuple[tuple[str, int], ...]
     """FX value name -> bytes of that tensor at the microbatch size."""
+    recompute_s: tuple[float, ...] = ()
+    """Per stage, the part of `backward_s` that re-runs the forward (`piper.Recompute`);
+    empty: none. It belongs to I when the backward is split, W needs no activations."""
     _bytes: dict[str, int] = field(init=False, repr=False, compare=False, hash=False)
 
     def __post_init__(self) -> None:
@@ -275,12 +284,12 @@ class TaskCosts:
         if k is Kind.SEND:
             # isend: the sender posts it and moves on; the wire time is `transfer`
             return self.cluster.send_overhead_s + self.cluster.task_overhead_s
-        if k is Kind.RECV:
-            return 0.0  # dry_run charges the wait until arrival
+        if k is Kind.RECV:  # dry_run adds the wait until arrival
+            return self.cluster.task_overhead_s
         kind = _COLLECTIVE.get(k)
         if kind is not None:  # ZeRO gathers parameters and scatters gradients of full size
             return comm.collective_time(kind, self.gradient_bytes[task.stage], task.group,
-                                        self.cluster)
+                                        self.cluster) + self.cluster.task_overhead_s
         raise NotImplementedError(f"no cost model for task kind {k.name} ({task.name})")
 
     def _compute(self, task: Task) -> float:
@@ -290,7 +299,9 @@ class TaskCosts:
         if k is Kind.BWD:
             return self.backward_s[task.stage]
         if k in (Kind.BWD_I, Kind.BWD_W):  # each about one forward's matmuls
-            return self.backward_s[task.stage] / 2
+            again = self.recompute_s[task.stage] if self.recompute_s else 0.0
+            half = (self.backward_s[task.stage] - again) / 2
+            return half + again if k is Kind.BWD_I else half
         return self.update_s[task.stage]
 
     def transfer(self, rank: int, task: Task) -> float:
@@ -303,14 +314,24 @@ _COLLECTIVE = {Kind.ALL_REDUCE: comm.ALL_REDUCE, Kind.ALL_GATHER: comm.ALL_GATHE
                Kind.REDUCE_SCATTER: comm.REDUCE_SCATTER}
 
 
+def recomputed(plan: Plan, recompute: bool | None = None) -> frozenset[int]:
+    """Stages whose backward repeats their forward: the Plan's (`piper.Recompute`), or with
+    `recompute` True/False every stage/none (what-if figures)."""
+    if recompute is None:
+        return frozenset(plan.recompute)
+    return frozenset(range(len(plan.stage_regions))) if recompute else frozenset()
+
+
 def task_costs(plan: Plan, costs: ModelCosts, cluster: ClusterSpec,
-               microbatch_size: int, *, recompute: bool = False) -> TaskCosts:
+               microbatch_size: int, *, recompute: bool | None = None) -> TaskCosts:
     """Analytical TaskCosts: chunks op by op (`ModelCosts.chunk_seconds`); updates per
-    parameter tensor plus the bytes AdamW streams over memory bandwidth. With `recompute`
-    each backward first repeats its forward."""
+    parameter tensor plus the bytes AdamW streams over memory bandwidth. On recomputed
+    stages (`recomputed`) each backward first repeats its forward."""
     chunks = [costs.chunk_seconds(rs, microbatch_size, cluster) for rs in plan.stage_regions]
     fwd = tuple(f for f, _ in chunks)
-    bwd = tuple(b + (f if recompute else 0.0) for f, b in chunks)
+    again = recomputed(plan, recompute)
+    rec = tuple(f if s in again else 0.0 for s, (f, _) in enumerate(chunks))
+    bwd = tuple(b + r for (_, b), r in zip(chunks, rec, strict=True))
     params = tuple(costs.params_of(rs) for rs in plan.stage_regions)
     shards = plan.dp if plan.zero else 1  # ZeRO ranks update only their shard
     # ZeRO's optimizer sees one flat shard per stage, plain DP every parameter tensor
@@ -328,4 +349,5 @@ def task_costs(plan: Plan, costs: ModelCosts, cluster: ClusterSpec,
         update_s=update,
         gradient_bytes=tuple(costs.element_size * p for p in params),
         value_bytes=tuple((v.name, round(v.nbytes * scale)) for v in plan.model.values),
+        recompute_s=rec if again else (),
     )

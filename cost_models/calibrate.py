@@ -40,6 +40,9 @@ class Measurements:
     comm: tuple[CommSample, ...]
     """One sample per round: the slowest rank's seconds per op."""
     compute: ComputeTimings
+    task_gaps: tuple[float, ...] = ()
+    """Seconds between consecutive tasks of one stream in a real run (the runtime's own
+    bookkeeping per task); empty: not measured."""
 
 
 @dataclass(frozen=True)
@@ -82,7 +85,9 @@ def calibrate(m: Measurements, costs: ModelCosts, *, name: str) -> tuple[Cluster
     # the mean, not the median: a step pays every slow post too
     posts = [s.seconds for s in m.comm if s.kind == SEND_POST]
     spec = dataclasses.replace(base, op_overhead_s=fwd, backward_op_overhead_s=bwd,
-                               send_overhead_s=statistics.mean(posts) if posts else 0.0)
+                               send_overhead_s=statistics.mean(posts) if posts else 0.0,
+                               task_overhead_s=statistics.mean(m.task_gaps)
+                               if m.task_gaps else 0.0)
     errors.append(("chunks", _mape(
         [(t.forward_s, f) for t, (f, _) in _predicted_chunks(m.compute, costs, spec)]
         + [(t.backward_s, b) for t, (_, b) in _predicted_chunks(m.compute, costs, spec)])))

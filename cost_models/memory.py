@@ -7,15 +7,16 @@ the gradients (4 + 12/N), ZeRO-3 everything (16/N). ZeRO-3 adds the stage's gath
 parameters while one of its chunks runs; ZeRO-2/3 add a microbatch's full gradient from its
 backward to its reduce-scatter. Activations of a microbatch live from the start of its
 forward to the end of its backward, which is what separates GPipe from 1F1B. They are what
-autograd saves (`cost_models.saved`); with recompute a microbatch keeps only its regions'
-inputs, and a backward rebuilds one region's saved tensors at a time.
+autograd saves (`cost_models.saved`); on a recomputed stage (`piper.Recompute`) a
+microbatch keeps only its regions' inputs, and a backward rebuilds one region's saved
+tensors at a time.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
-from cost_models.analytical import ModelCosts
+from cost_models.analytical import ModelCosts, recomputed
 from piper.dag import Kind
 from runtime.dryrun import Span
 from runtime.plan import Plan
@@ -40,32 +41,68 @@ def zero_bytes_per_param(element_size: int, zero: int, replicas: int) -> float:
             3: (2 * e + opt) / n}[zero]
 
 
+def tied_copies(plan: Plan) -> tuple[tuple[int, int], ...]:
+    """Per stage: (elements of tied parameters it holds, of which its own regions own).
+
+    A tied parameter (an embedding shared with the output head) is a whole copy with its
+    gradient and optimizer state on every stage of its tie group: `runtime.executor` sums
+    the copies apart from the stage's gradients and never ZeRO-shards them. The owner's
+    elements are also in `stage_params`, at the ZeRO rate, so they are moved."""
+    numel = dict(zip((p for p, _ in plan.model.tied), plan.model.tied_numel, strict=True))
+    owner = {p: r.name for r in plan.model.regions for p in r.params}
+    out = [[0, 0] for _ in plan.stage_regions]
+    for names, stages in plan.ties:
+        for s in set(stages):
+            for n in names:
+                out[s][0] += numel.get(n, 0)
+                out[s][1] += numel.get(n, 0) if owner.get(n) in plan.stage_regions[s] else 0
+    return tuple((a, b) for a, b in out)
+
+
 def static_bytes(plan: Plan, costs: ModelCosts) -> tuple[int, ...]:
     """Per rank: parameters, gradients and optimizer state of the stages it holds."""
     params = stage_params(plan, costs)
     per = zero_bytes_per_param(costs.element_size, plan.zero, plan.dp)
-    return tuple(round(per * sum(params[s] for s in rp.stages)) for rp in plan.ranks)
+    whole = zero_bytes_per_param(costs.element_size, 0, plan.dp)
+    tied = tied_copies(plan)
+    return tuple(round(sum(per * (params[s] - tied[s][1]) + whole * tied[s][0]
+                           for s in rp.stages)) for rp in plan.ranks)
 
 
 def activation_bytes(plan: Plan, costs: ModelCosts, microbatch_size: int,
-                     recompute: bool = False) -> tuple[int, ...]:
-    """Per stage: bytes one microbatch's forward keeps for its backward."""
-    return tuple(round(costs.activation_bytes_of(rs, microbatch_size, recompute))
-                 for rs in plan.stage_regions)
+                     recompute: bool | None = None) -> tuple[int, ...]:
+    """Per stage: bytes one microbatch's forward keeps for its backward (on the stages
+    `recomputed(plan, recompute)`: its regions' inputs)."""
+    again = recomputed(plan, recompute)
+    return tuple(round(costs.activation_bytes_of(rs, microbatch_size, s in again))
+                 for s, rs in enumerate(plan.stage_regions))
+
+
+def recompute_bytes(costs: ModelCosts, regions: Sequence[str], microbatch_size: int
+                    ) -> tuple[int, int]:
+    """What recompute adds to a stage's kept inputs: the largest region its backward
+    rebuilds while it runs, and what a split backward's I leaves for W (W's products, up
+    to the rest of the forward's saved tensors)."""
+    kept = round(costs.activation_bytes_of(regions, microbatch_size, True))
+    return (round(costs.recompute_peak_bytes_of(regions, microbatch_size)),
+            round(costs.activation_bytes_of(regions, microbatch_size)) - kept)
 
 
 def peak_memory(plan: Plan, costs: ModelCosts, microbatch_size: int,
-                spans: Iterable[Span], recompute: bool = False) -> tuple[int, ...]:
+                spans: Iterable[Span], recompute: bool | None = None) -> tuple[int, ...]:
     """Per rank: the highest static + live-activation total along the simulated timeline.
 
     A forward allocates when it starts and a backward frees when it ends, so the backward's
     own working set is counted while it runs (under recompute: the largest region it
-    rebuilds).
+    rebuilds, during B or I; after I, W's products until W ends). `recompute` as in
+    `activation_bytes`.
     """
     static = static_bytes(plan, costs)
     act = activation_bytes(plan, costs, microbatch_size, recompute)
-    rebuilt = tuple(round(costs.recompute_peak_bytes_of(rs, microbatch_size)) if recompute
-                    else 0 for rs in plan.stage_regions)
+    again = recomputed(plan, recompute)
+    extra = [recompute_bytes(costs, rs, microbatch_size) if s in again else (0, 0)
+             for s, rs in enumerate(plan.stage_regions)]
+    rebuilt, held = [r for r, _ in extra], [h for _, h in extra]
     full = tuple(costs.element_size * p for p in stage_params(plan, costs))
     gathered = full if plan.zero == 3 else tuple(0 for _ in full)  # live while a chunk runs
     grad_buf = full if plan.zero >= 2 else tuple(0 for _ in full)  # from B to its RS
@@ -78,11 +115,16 @@ def peak_memory(plan: Plan, costs: ModelCosts, microbatch_size: int,
         live = peak = base
         for _, _, _, s in sorted(by_rank[rp.rank]):
             st = s.task.stage
-            if s.task.kind is Kind.FWD:
+            kind = s.task.kind
+            if kind is Kind.FWD:
                 live += act[st]
                 peak = max(peak, live + gathered[st])
-            elif s.task.kind.ends_backward:
-                peak = max(peak, live + gathered[st] + grad_buf[st] + rebuilt[st])
-                live -= act[st]
+            elif kind is Kind.BWD_I and st in again:  # the rebuild runs in I
+                peak = max(peak, live + gathered[st] + rebuilt[st])
+                live += held[st]
+            elif kind.ends_backward:
+                work = rebuilt[st] if kind is Kind.BWD else 0
+                peak = max(peak, live + gathered[st] + grad_buf[st] + work)
+                live -= act[st] + (held[st] if kind is Kind.BWD_W else 0)
         peaks.append(peak)
     return tuple(peaks)

@@ -24,21 +24,24 @@ from runtime.stage_module import build_stage
 _META = torch.device("meta")
 
 
-def saved_bytes(captured: Captured) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
-    """(saved, recompute) bytes per region at the capture batch; None if some region's ops
+Figures = tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]
+
+
+def saved_bytes(captured: Captured) -> Figures | None:
+    """(saved, recompute, outputs) bytes per region at the capture batch — the third the
+    part of both that the model's outputs and the loss keep; None if some region's ops
     cannot run on meta (the caller keeps its upper bound)."""
-    saved, inputs = [], []
+    rows = []
     try:
         for i in range(len(captured.graph.regions)):
-            s, x = _region(captured, i)
-            saved.append(s)
-            inputs.append(x)
+            rows.append(_region(captured, i))
     except Exception:  # noqa: BLE001 - an op without a meta kernel or autograd formula
         return None
-    return tuple(saved), tuple(inputs)
+    saved, inputs, tails = zip(*rows, strict=True)
+    return tuple(saved), tuple(inputs), tuple(tails)
 
 
-def _region(captured: Captured, index: int) -> tuple[int, int]:
+def _region(captured: Captured, index: int) -> tuple[int, int, int]:
     sm = build_stage(captured, {index}, _META)
     _fused_attention(sm.module)
     placeholders = [n for n in sm.module.graph.nodes if n.op == "placeholder"]
@@ -65,7 +68,7 @@ def _region(captured: Captured, index: int) -> tuple[int, int]:
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         outs = dict(zip(sm.outputs, sm.module(*args)))
     tail = _output_tail(captured, [outs[n] for n in sm.model_outputs], state | set(packed))
-    return sum(packed.values()) + tail, input_bytes + tail
+    return sum(packed.values()) + tail, input_bytes + tail, tail
 
 
 def _output_tail(captured: Captured, outputs: list[torch.Tensor], skip: set[int]) -> int:

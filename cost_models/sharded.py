@@ -4,7 +4,8 @@ With `ShardTensor` / `Shard` a chunk's math is the rank's slice (costed from a c
 sharded model, whose matmuls have local shapes), and the chunk also waits for the in-graph
 collectives of `piper.collectives`: Megatron's g all-reduces the activation in forward, f
 all-reduces its gradient in backward, and expert all-to-alls run in both directions. Those
-are synchronous inside the chunk, so their time adds to its forward or backward.
+are synchronous inside the chunk, so their time adds to its forward or backward (a
+recomputed stage's backward runs its forward's collectives again).
 """
 
 from __future__ import annotations
@@ -66,9 +67,15 @@ def with_in_graph_comm(tc: TaskCosts, plan: Plan, traffic: InGraphComm, cluster:
             return sum(all_to_all_time(b, ep_group, cluster) for b in sizes)
         return sum(comm.collective_time(comm.ALL_REDUCE, b, tp_group, cluster) for b in sizes)
 
-    fwd, bwd = [], []
+    fwd, bwd, again = [], [], []
     for s, regions in enumerate(plan.stage_regions):
         a2a = seconds(traffic.all_to_all, regions, "a2a")
-        fwd.append(tc.forward_s[s] + seconds(traffic.forward_all_reduce, regions, "ar") + a2a)
-        bwd.append(tc.backward_s[s] + seconds(traffic.backward_all_reduce, regions, "ar") + a2a)
-    return replace(tc, forward_s=tuple(fwd), backward_s=tuple(bwd))
+        forward = seconds(traffic.forward_all_reduce, regions, "ar") + a2a
+        # a recompute re-runs the forward's collectives inside the backward
+        rebuilt = forward if s in plan.recompute else 0.0
+        fwd.append(tc.forward_s[s] + forward)
+        bwd.append(tc.backward_s[s] + seconds(traffic.backward_all_reduce, regions, "ar") + a2a
+                   + rebuilt)
+        again.append((tc.recompute_s[s] if tc.recompute_s else 0.0) + rebuilt)
+    return replace(tc, forward_s=tuple(fwd), backward_s=tuple(bwd),
+                   recompute_s=tuple(again) if any(again) else ())

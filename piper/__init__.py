@@ -7,6 +7,7 @@ from piper.directives import (
     Directive,
     Order,
     Place,
+    Recompute,
     Replicate,
     Shard,
     ShardTensor,
@@ -20,7 +21,7 @@ from piper.program import Program
 
 __all__ = [
     "Captured", "Directive", "DirectiveError", "Experts", "Kind", "ModelGraph", "Node", "Order",
-    "PiperError", "Place", "Program", "Replicate", "Shard", "ShardTensor", "Split",
-    "SplitBackward", "Stage", "Stream",
+    "PiperError", "Place", "Program", "Recompute", "Replicate", "Shard", "ShardTensor",
+    "Split", "SplitBackward", "Stage", "Stream",
     "TrainingDAG", "annotate", "annotate_modules", "capture", "single_device_dag", "verify",
 ]

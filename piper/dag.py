@@ -154,6 +154,7 @@ class TrainingDAG:
     ordered: tuple[int, ...] = ()  # devices an Order has constrained
     streams: tuple[tuple[str, str], ...] = ()  # task kind value -> logical stream (Stream)
     sharding: ModelSharding = field(default_factory=ModelSharding)  # tensor / expert parallelism inside chunks
+    recompute: tuple[int, ...] = ()  # stages whose activations are rebuilt in backward
 
     @property
     def pp(self) -> int:

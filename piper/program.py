@@ -13,6 +13,7 @@ from piper.directives import (
     Directive,
     Order,
     Place,
+    Recompute,
     Replicate,
     Shard,
     ShardTensor,
@@ -50,7 +51,8 @@ class Program:
         for i, d in enumerate(self.directives):
             if d.phase < phase:
                 raise DirectiveError(i, d, "directives go in the order Place, Split, "
-                                     "SplitBackward, Replicate/Shard/ShardTensor, Order/Stream")
+                                     "SplitBackward, Replicate/Shard/ShardTensor/Recompute, "
+                                     "Order/Stream")
             phase = d.phase
             if isinstance(d, Order):
                 orders.append((i, d))
@@ -84,7 +86,7 @@ class Program:
             "schedule": self.name,
             "virtual_stages": max(1, len(stages) // pp),
             "microbatches": split[0] if split else 1,
-            "recompute": False,
+            "recompute": any(isinstance(d, Recompute) for d in self.directives),
         }
 
     # --- serialisation -------------------------------------------------------------------
@@ -135,5 +137,5 @@ class Program:
         return prog
 
 
-__all__ = ["Order", "Place", "Program", "Replicate", "Shard", "ShardTensor", "Split",
-           "SplitBackward", "Stream"]
+__all__ = ["Order", "Place", "Program", "Recompute", "Replicate", "Shard", "ShardTensor",
+           "Split", "SplitBackward", "Stream"]

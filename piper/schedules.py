@@ -3,7 +3,8 @@
 `stages` lists the regions of each pipeline stage, in dataflow order. gpipe and 1f1b put
 stage s on device s; interleaved-1f1b loops the stages over `pp` devices (stage s on device
 s mod pp, `len(stages) / pp` virtual stages each). Every schedule returns
-Place + Split (+ Replicate) + one Order per device.
+Place + Split (+ Replicate) + one Order per device; `shard` and `with_recompute` add tensor/expert
+parallelism and activation recompute to any of them.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from piper.directives import (
     Directive,
     Order,
     Place,
+    Recompute,
     Replicate,
     Shard,
     ShardTensor,
@@ -244,12 +246,14 @@ SCHEDULES: dict[str, Callable[..., Program]] = {
 
 
 def build(schedule: str, stages: Sequence[Sequence[str]], *, microbatches: int,
-          dp: int = 1, pp: int | None = None, zero: int = 0) -> Program:
-    """The named schedule as a Program; `KeyError` names the known ones, `ValueError` says
-    why the schedule does not fit the stages."""
+          dp: int = 1, pp: int | None = None, zero: int = 0, recompute: bool = False
+          ) -> Program:
+    """The named schedule as a Program (with `recompute`, on every stage); `KeyError` names
+    the known ones, `ValueError` says why the schedule does not fit the stages."""
     if schedule not in SCHEDULES:
         raise KeyError(f"unknown schedule {schedule!r}; known: {', '.join(SCHEDULES)}")
-    return SCHEDULES[schedule](stages, microbatches=microbatches, dp=dp, pp=pp, zero=zero)
+    prog = SCHEDULES[schedule](stages, microbatches=microbatches, dp=dp, pp=pp, zero=zero)
+    return with_recompute(prog) if recompute else prog
 
 
 def shard(program: Program, *, tp: int = 1, ep: int = 1,
@@ -261,6 +265,18 @@ def shard(program: Program, *, tp: int = 1, ep: int = 1,
         extra.append(ShardTensor(tp))
     if ep > 1:
         extra.append(Shard(tuple(expert_regions), degree=ep))
+    return _insert(program, extra)
+
+
+def with_recompute(program: Program, stages: Sequence[int] = ()) -> Program:
+    """`program` with activation recompute (`Recompute`) on `stages` (default: all), before
+    its Orders: the schedule is unchanged, each backward rebuilds its activations first."""
+    return _insert(program, [Recompute(tuple(stages))])
+
+
+def _insert(program: Program, extra: list[Directive]) -> Program:
+    """`program` with `extra` (all of one phase) after the last directive of their phase."""
     ds = list(program.directives)
-    at = next((i for i, d in enumerate(ds) if d.phase > ShardTensor.phase), len(ds))
+    phase = max((d.phase for d in extra), default=0)
+    at = next((i for i, d in enumerate(ds) if d.phase > phase), len(ds))
     return Program([*ds[:at], *extra, *ds[at:]], name=program.name)

@@ -174,8 +174,8 @@ def _program(args: argparse.Namespace, ev: Any) -> Any:
     from planner.strategy import shorthand_program
 
     if args.strategy:
-        shorthand = [f for f in ("pp", "dp", "tp", "ep", "schedule", "microbatches")
-                     if getattr(args, f)]
+        shorthand = [f for f in ("pp", "dp", "tp", "ep", "schedule", "microbatches",
+                                 "recompute") if getattr(args, f, None)]
         if shorthand:
             raise PiperError(f"--strategy and --{shorthand[0]} are mutually exclusive")
         return _within_node(Program.load(args.strategy), ev.cluster, args.strategy)

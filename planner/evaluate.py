@@ -16,6 +16,7 @@ from piper.dag import TrainingDAG, single_device_dag
 from piper.directives import (
     Order,
     Place,
+    Recompute,
     Replicate,
     Shard,
     ShardTensor,
@@ -142,10 +143,13 @@ class Evaluator:
                 self._shardings[shards] = self.skeleton(program).sharding
             sharding = self._shardings[shards]
         costs = self.costs if sharding.trivial else self.sharded_costs(sharding)[0]
+        again = next((d.stages or range(len(regions)) for d in ds
+                      if isinstance(d, Recompute)), ())
         return max(device_peaks(
             regions, devices, [d for d in ds if isinstance(d, Order)],
             dp=rep.degree if rep else 1, zero=rep.zero if rep else 0, costs=costs,
-            microbatch_size=program_microbatch_size(program, self.batch_size)))
+            microbatch_size=program_microbatch_size(program, self.batch_size),
+            recompute=frozenset(again)))
 
     def evaluate(self, program: Program) -> Evaluation:
         """Apply, schedule and simulate `program`, or return the cached result for its key."""

@@ -10,17 +10,9 @@ from piper.errors import PiperError
 from piper.program import Program
 from search_spaces.partition import balanced_stages
 
-UNSUPPORTED = {"recompute": False}
-
 
 def degrees(args: argparse.Namespace, gpus: int) -> tuple[int, int, int, int]:
     """(pp, dp, tp, ep) from the flags; every mismatch names all degrees."""
-    for flag, default in UNSUPPORTED.items():
-        value = getattr(args, flag, default)
-        if value not in (None, default):
-            raise PiperError(f"--{flag.replace('_', '-')} {value} is not supported yet "
-                             f"(this build supports pipeline, data, tensor and expert "
-                             "parallelism)")
     pp, dp = args.pp, args.dp
     tp, ep = getattr(args, "tp", None) or 1, getattr(args, "ep", None) or 1
     for name, v in (("--pp", pp), ("--dp", dp), ("--tp", getattr(args, "tp", None)),
@@ -67,7 +59,8 @@ def shorthand_program(args: argparse.Namespace, gpus: int, regions: tuple[str, .
     stages = [[regions[i] for i in r] for r in balanced_stages(region_costs, pp * v)]
     try:
         prog = schedules.build(schedule, stages, microbatches=m, dp=dp, pp=pp,
-                               zero=args.zero or 0)
+                               zero=args.zero or 0,
+                               recompute=bool(getattr(args, "recompute", False)))
     except ValueError as e:
         raise PiperError(str(e)) from None
     prog = schedules.shard(prog, tp=tp, ep=ep, expert_regions=expert_regions)
@@ -94,4 +87,6 @@ def add_shorthand_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--comm-stream", action="store_true", default=False,
                    help="run gradient collectives on their own stream, overlapping backward")
     g.add_argument("--recompute", action="store_true", default=False,
-                   help="activation recompute (not supported yet)")
+                   help="activation recompute on every stage: keep each region's inputs, "
+                   "rebuild its activations in backward (less memory, about one more "
+                   "forward per backward)")

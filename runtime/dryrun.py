@@ -121,7 +121,7 @@ def dry_run(plan: Plan, duration: Callable[[int, Task], float] = _unit,
                 if at is None:
                     on_arrival.setdefault(t.tag, []).append(i)
                     break
-                start, end = ready, max(ready, at)
+                start, end = ready, max(ready, at) + duration(r, t)  # wait, then unpack
             elif kind is send:
                 start, end = ready, ready + duration(r, t)
                 arrived[t.tag] = end + transfer(r, t)

@@ -22,6 +22,7 @@ from piper.dag import Kind
 from piper.model_file import ModelSpec
 from runtime.memory import MemoryLedger, SavedTensors
 from runtime.plan import COMPUTE_STREAM, Plan, RankPlan, Task
+from runtime.recompute import recomputing
 from runtime.stage_module import StageModule, build_stage
 from runtime.streams import DeviceStreams
 from runtime.weight_grad import WeightGradStore, collecting, defer_weight_grads
@@ -114,6 +115,8 @@ class RankExecutor:
             sm = _renamed(build_stage(captured, regions, device), rename)
             if s in self.split:
                 sm = _deferring(sm)
+            if s in plan.recompute:  # regions keep their inputs, rebuilt in backward
+                sm = recomputing(sm, captured.node_region)
             self.stages[s] = sm
             fixed: list[torch.Tensor | None] = []
             ps: list[torch.nn.Parameter] = []
@@ -341,22 +344,21 @@ class RankExecutor:
                                        if freed else ())
         kept = SavedTensors(exclude={t.untyped_storage().data_ptr() for (k, _), t in
                                      zip(sm.inputs, args) if k in ("param", "buffer")})
-        with collecting(deferred), torch.autograd.graph.saved_tensors_hooks(kept.pack,
-                                                                             kept.unpack):
+        with collecting(deferred), kept.counting():
             outs = dict(zip(sm.outputs, sm.module(*args)))
         del views
         if shard is not None and shard.zero == 3:
             shard.free()  # reshard after every chunk; backward gathers again
         for name, t in outs.items():
             acts[(name, task.mb)] = t
-        saved = _Saved(leaves, outs, deferred=deferred,
-                       activation_bytes=kept.bytes_with([*outs.values(),
-                                                         *(x for _, x in leaves)]))
+        saved = _Saved(leaves, outs, deferred=deferred)
         if sm.model_outputs:
             out = [outs[n] for n in sm.model_outputs]
             pred = out[0] if len(out) == 1 else tuple(out)
             tgt = _slice(self.targets, lo, hi, self.device)
-            saved.loss = self.spec.loss_fn(pred, tgt) * self.loss_scale
+            with kept.counting():  # the loss keeps a log-softmax the size of the logits
+                saved.loss = self.spec.loss_fn(pred, tgt) * self.loss_scale
+        saved.activation_bytes = kept.bytes_with([*outs.values(), *(x for _, x in leaves)])
         return saved
 
     def _backward(self, task: Task, saved: _Saved,

@@ -8,6 +8,9 @@ saved for backward (every tensor autograd keeps, counted once per storage).
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -65,10 +68,15 @@ class MemoryLedger:
         return self._model_state_peak
 
 
+_local = threading.local()
+
+
 class SavedTensors:
     """Counts the distinct storages autograd saves during one chunk's forward (parameters
     and buffers aside: model state), as a `saved_tensors_hooks` pair; `bytes_with`
-    adds the chunk's outputs and activation inputs, each storage once."""
+    adds the chunk's outputs and activation inputs, each storage once. A recomputed region
+    saves nothing through the hooks (checkpointing packs its own): it reports the inputs
+    it keeps instead (`keep_inputs`)."""
 
     def __init__(self, exclude: set[int]) -> None:
         self.exclude = exclude  # storages of the chunk's parameters and buffers
@@ -84,9 +92,29 @@ class SavedTensors:
     def unpack(t: torch.Tensor) -> torch.Tensor:
         return t
 
+    @contextmanager
+    def counting(self) -> Iterator[None]:
+        """Count what forwards on this thread keep for backward, until the block ends."""
+        before = getattr(_local, "kept", None)
+        _local.kept = self
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack):
+                yield
+        finally:
+            _local.kept = before
+
     def bytes_with(self, tensors: list[torch.Tensor]) -> int:
         seen = dict(self.storages)
         for t in tensors:
             st = t.untyped_storage()
             seen[st.data_ptr()] = st.nbytes()
         return sum(seen.values())
+
+
+def keep_inputs(tensors: Iterable[Any]) -> None:
+    """Count `tensors` as kept for backward by the chunk forward now counting, if any."""
+    kept = getattr(_local, "kept", None)
+    if kept is not None:
+        for t in tensors:
+            if isinstance(t, torch.Tensor):
+                kept.pack(t)

@@ -78,6 +78,7 @@ class Plan:
     zero: int = 0  # ZeRO stage of the data-parallel replicas
     ties: tuple[tuple[tuple[str, ...], tuple[int, ...]], ...] = ()  # (params, stages) tied
     sharding: ModelSharding = field(default_factory=ModelSharding)  # tensor / expert parallelism inside chunks
+    recompute: tuple[int, ...] = ()  # stages whose backward rebuilds their activations
 
     @property
     def mesh(self) -> Mesh:

@@ -5,7 +5,8 @@
 
 Compute probes run on rank 0 alone while the others wait at a barrier, so chunk timings are
 those of an unshared device (sharing is the simulator's business: `cost_models.contention`);
-communication probes run on every rank at once.
+communication probes run on every rank at once. Last, a short real run of the runtime
+(`task_gaps`) times what no probe sees: the executor's own work between two tasks.
 """
 
 from __future__ import annotations
@@ -112,6 +113,10 @@ def measure(spec: ModelSpec, *, gpus: int, device: str, plan: ProbePlan | None =
         compute = _gather([a.compute.remote(plan) for a in actors], timeout_s, "compute")[0]
         sharing = _gather([a.sharing.remote(plan) for a in actors], timeout_s, "sharing")
         _gather([a.shutdown.remote() for a in actors], timeout_s, "shutdown")
+        for a in actors:
+            ray.kill(a, no_restart=True)
+        actors = []
+        gaps = task_gaps(spec, gpus, device, timeout_s)
     finally:
         for a in actors:
             ray.kill(a, no_restart=True)
@@ -120,7 +125,38 @@ def measure(spec: ModelSpec, *, gpus: int, device: str, plan: ProbePlan | None =
     return Measurements(device=device, device_name=_device_name(device), ranks=gpus,
                         memory_bytes=_memory_per_rank(device, gpus),
                         cores=effective_cores(sharing) if device == "cpu" else None,
-                        comm=tuple(slowest_rank(comm)), compute=compute)
+                        comm=tuple(slowest_rank(comm)), compute=compute,
+                        task_gaps=tuple(gaps))
+
+
+GAP_STEPS = 4
+"""Steps of the runtime probe; the first (warm-up) is not used."""
+
+
+def task_gaps(spec: ModelSpec, gpus: int, device: str, timeout_s: float) -> list[float]:
+    """Seconds between one task's end and the next one's start on the same rank and stream,
+    in the last step of a short real run (1F1B over two stages where the model and `gpus`
+    allow, data parallel for the rest, microbatches of one sample): the executor's
+    bookkeeping per task (events, progress, memory ledger, thread hand-offs), which the
+    compute and communication probes leave out because they time the work alone."""
+    from piper import schedules
+    from runtime.launcher import lower, run
+    from search_spaces.partition import balanced_stages
+
+    names = capture(spec, 1).graph.names
+    pp = 2 if gpus % 2 == 0 and len(names) >= 2 else 1
+    dp = gpus // pp
+    cut = balanced_stages([1.0] * len(names), pp)
+    program = schedules.one_f_one_b([[names[i] for i in r] for r in cut],
+                                    microbatches=2 * pp, dp=dp)
+    batch = 2 * pp * dp
+    res = run(spec, lower(spec, program, gpus, batch), batch_size=batch, steps=GAP_STEPS,
+              seed=0, device=device, timeout_s=timeout_s)
+    lanes: dict[tuple[int, str], list[tuple[float, float]]] = {}
+    for sp in res.spans:  # the last step's
+        lanes.setdefault((sp.rank, sp.stream), []).append((sp.start, sp.end))
+    return [b[0] - a[1] for spans in lanes.values()
+            for a, b in zip(sorted(spans), sorted(spans)[1:]) if b[0] >= a[1]]
 
 
 def effective_cores(sharing: list[tuple[list[float], list[float]]]) -> float:

@@ -112,6 +112,7 @@ def schedule(dag: TrainingDAG, *, check: bool = True) -> Plan:
         groups=tuple(sorted({t.group for rp in ranks for t in rp.tasks if t.group})),
         ties=tuple(ties),
         sharding=dag.sharding,
+        recompute=dag.recompute,
     )
     if check:
         dry_run(plan)

@@ -77,6 +77,11 @@ def collecting(store: WeightGradStore | None) -> Iterator[None]:
         _local.store = before
 
 
+def current_store() -> WeightGradStore | None:
+    """The store forwards on this thread defer to now (a recompute collects into it again)."""
+    return getattr(_local, "store", None)
+
+
 def _weight_grad(kind: str, x: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:
     if kind == "bmm":
         return x.transpose(1, 2).bmm(dy)

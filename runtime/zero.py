@@ -20,6 +20,34 @@ def _nbytes(t: torch.Tensor | None) -> int:
     return 0 if t is None else t.numel() * t.element_size()
 
 
+class _FlatViews(torch.autograd.Function):
+    """flat -> every parameter's view of it, with one backward for all of them.
+
+    Plain slicing gives each view its own backward, and each of those makes a zero-filled
+    gradient the size of the whole buffer to put its slice in, which autograd then sums:
+    several stage-sized temporaries per backward. Here the parameters' gradients are
+    copied into one flat gradient, the only stage-sized allocation.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, flat: torch.Tensor, stage: ShardedStage) -> tuple[torch.Tensor, ...]:
+        ctx.stage = stage
+        return tuple(stage.view(flat, i) for i in range(len(stage.shapes)))
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor, None]:
+        stage: ShardedStage = ctx.stage
+        out = torch.empty(stage.chunk * stage.size, dtype=stage.flat.dtype,
+                          device=stage.flat.device)
+        out[stage.offsets[-1] + stage.numels[-1]:].zero_()  # the padding past the last
+        for i, g in enumerate(grads):
+            if g is None:  # unused here, or left to a split backward's W
+                stage.view(out, i).zero_()
+            else:
+                stage.view(out, i).copy_(g)
+        return out, None
+
+
 class ShardedStage:
     """Flat parameters of one stage, this rank's shard of them, and its gradient shard."""
 
@@ -50,8 +78,9 @@ class ShardedStage:
 
     # ---- parameters -------------------------------------------------------------------
     def views(self) -> list[torch.Tensor]:
-        """Per-parameter views of the flat buffer, made inside each forward's graph."""
-        return [self.view(self.flat, i) for i in range(len(self.shapes))]
+        """Per-parameter views of the flat buffer, made inside each forward's graph; their
+        gradients meet in one flat gradient (`_FlatViews`)."""
+        return list(_FlatViews.apply(self.flat, self))
 
     def view(self, flat: torch.Tensor, i: int) -> torch.Tensor:
         """Parameter i's part of a flat tensor laid out like the buffer (it or a gradient)."""

@@ -8,8 +8,8 @@ completion, so every sample is valid by construction.
 
 Samplers (TPE, GP, NSGA-II) need one distribution per parameter name across trials, while
 the valid values of a dimension change with what was chosen before. So:
-- categorical dimensions (schedule, ZeRO stage) come first and always offer the same
-  values: those appearing in some feasible point;
+- categorical dimensions (schedule, ZeRO stage, recompute) come first and always offer the
+  same values: those appearing in some feasible point;
 - ordinal dimensions (degrees, microbatch counts) are suggested as a position in [0, 1]
   (`<name>_quantile`) mapped onto the values valid in this context, smallest first, so
   "near the top" means the same thing whatever the context left valid.

@@ -1,4 +1,5 @@
-"""dp × pp × tp × ep × ZeRO × microbatches × schedule, stage boundaries balanced by cost."""
+"""dp × pp × tp × ep × ZeRO × microbatches × schedule × recompute, stage boundaries balanced
+by cost."""
 
 from __future__ import annotations
 
@@ -27,8 +28,9 @@ def divisors(n: int) -> list[int]:
 
 
 SAMPLE_ORDER = (Dimension("schedule", ordinal=False), Dimension("zero", ordinal=False),
-                Dimension("tp", ordinal=True), Dimension("pp", ordinal=True),
-                Dimension("microbatches", ordinal=True), Dimension("ep", ordinal=True))
+                Dimension("recompute", ordinal=False), Dimension("tp", ordinal=True),
+                Dimension("pp", ordinal=True), Dimension("microbatches", ordinal=True),
+                Dimension("ep", ordinal=True))
 """The order `sample` asks in: categorical choices first (their values never change), then
 the degrees, each among the values the earlier choices left valid."""
 
@@ -40,8 +42,9 @@ class PipelineSpace(SearchSpace):
     `region_costs[i]` is region i's relative compute cost (forward FLOPs); stages are cut to
     balance it exactly (`balanced_stages`). pp counts pipeline ranks; interleaved-1f1b and
     dualpipev put two stages on each. `zeros` are the ZeRO stages to try for the
-    data-parallel replicas. Activation recompute is not a dimension: the runtime cannot run
-    it yet, and the planner proposes only what `piper-plan run` executes.
+    data-parallel replicas; `recomputes` whether to recompute activations (`Recompute` on
+    every stage: less memory for about one more forward per backward, so it pays where
+    memory, not time, is what rules points out).
     """
 
     regions: tuple[str, ...]
@@ -56,6 +59,9 @@ class PipelineSpace(SearchSpace):
     eps: tuple[int, ...] = (1,)
     """Expert-parallel degrees to try, over `expert_regions` (regions with piper.Experts)."""
     expert_regions: tuple[str, ...] = ()
+    recomputes: tuple[bool, ...] = (False,)
+    """Activation recompute off/on; (False, True) doubles the space (`planner.space` asks
+    for it in a real search)."""
 
     def grid(self) -> Mapping[str, Sequence[Any]]:
         pps = [p for p in divisors(self.gpus) if p <= len(self.regions)]
@@ -67,6 +73,8 @@ class PipelineSpace(SearchSpace):
             g["tp"] = [t for t in self.tps if self.gpus % t == 0]
         if self.eps != (1,):
             g["ep"] = list(self.eps)
+        if self.recomputes != (False,):
+            g["recompute"] = list(self.recomputes)
         return g
 
     def sample(self, trial: TrialLike) -> dict[str, Any]:
@@ -80,7 +88,7 @@ class PipelineSpace(SearchSpace):
 
     def params_of(self, point: dict[str, Any]) -> dict[str, Any]:
         """The trial parameters `sample` maps to `point` (a feasible point)."""
-        full = {"tp": 1, "ep": 1, "zero": 0, **point}
+        full = {"tp": 1, "ep": 1, "zero": 0, "recompute": False, **point}
         return conditional.params_for(SAMPLE_ORDER, _feasible_tuples(self),
                                       tuple(full[k] for k in _NAMES))
 
@@ -95,8 +103,9 @@ class PipelineSpace(SearchSpace):
             raise Infeasible(reason)
 
     def violation(self, *, pp: int, microbatches: int, schedule: str, zero: int = 0,
-                  tp: int = 1, ep: int = 1) -> str | None:
-        """Why the point is not a valid strategy, or None; no Program is built."""
+                  tp: int = 1, ep: int = 1, recompute: bool = False) -> str | None:
+        """Why the point is not a valid strategy, or None; no Program is built (recompute
+        runs with everything, so it adds no rule)."""
         m, sched = microbatches, schedule
         per_device = VIRTUAL.get(sched, 1)
         if pp * per_device > len(self.regions):
@@ -124,7 +133,8 @@ class PipelineSpace(SearchSpace):
         zero, tp, ep = params.get("zero", 0), params.get("tp", 1), params.get("ep", 1)
         dp = self.gpus // (pp * tp)
         prog = schedules.build(sched, self.stages(pp * VIRTUAL.get(sched, 1)), microbatches=m,
-                               dp=dp, pp=pp, zero=zero)
+                               dp=dp, pp=pp, zero=zero,
+                               recompute=bool(params.get("recompute", False)))
         return schedules.shard(prog, tp=tp, ep=ep, expert_regions=self.expert_regions)
 
     def stages(self, n: int) -> list[list[str]]:
@@ -147,9 +157,10 @@ def _feasible_tuples(space: PipelineSpace, grid_order: bool = False
     """Every valid point as values of SAMPLE_ORDER (once per space: thousands of cheap
     checks); `grid_order` lists them in the grid's order instead of sampling order."""
     g = dict(space.grid())
-    g.setdefault("tp", [1])
-    g.setdefault("ep", [1])
-    keys = list(space.grid()) + [k for k in ("tp", "ep") if k not in space.grid()]
+    defaults = {"tp": [1], "ep": [1], "recompute": [False]}
+    for k, v in defaults.items():
+        g.setdefault(k, v)
+    keys = list(space.grid()) + [k for k in defaults if k not in space.grid()]
     order = keys if grid_order else list(_NAMES)
     out = []
     for values in itertools.product(*(g[k] for k in order)):
@@ -162,7 +173,8 @@ def _feasible_tuples(space: PipelineSpace, grid_order: bool = False
 def model_space(graph: ModelGraph, region_costs: tuple[float, ...], gpus: int,
                 batch_size: int, gpus_per_node: int) -> PipelineSpace:
     """Every schedule and ZeRO stage, plus the tensor-parallel degrees the model's TP_PLAN
-    allows within one node and the expert-parallel degrees its experts allow."""
+    allows within one node and the expert-parallel degrees its experts allow. Recompute is
+    left off (`recomputes`); the planner's search adds it (`planner.space`)."""
     tps = [1]
     if graph.tp_plan:
         targets = plan_targets(graph.tp_plan, dict(graph.linears))

@@ -3,6 +3,7 @@
 from piper.directives.base import Directive, from_dict
 from piper.directives.order import Order
 from piper.directives.place import Place
+from piper.directives.recompute import Recompute
 from piper.directives.replicate import Replicate
 from piper.directives.shard import Shard
 from piper.directives.shard_tensor import ShardTensor
@@ -10,5 +11,5 @@ from piper.directives.split import Split
 from piper.directives.split_backward import SplitBackward
 from piper.directives.stream import Stream
 
-__all__ = ["Directive", "Order", "Place", "Replicate", "Shard", "ShardTensor", "Split",
-           "SplitBackward", "Stream", "from_dict"]
+__all__ = ["Directive", "Order", "Place", "Recompute", "Replicate", "Shard", "ShardTensor",
+           "Split", "SplitBackward", "Stream", "from_dict"]

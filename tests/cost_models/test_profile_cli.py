@@ -30,6 +30,9 @@ def test_profile_writes_a_cluster_that_simulate_accepts(ray_session, tmp_path: P
     assert "measured by `piper-plan profile`" in spec.source
     assert spec.flops > 1e8  # any CPU core does a few GFLOP/s in a 384^3 matmul
     assert spec.op_overhead_s > 0 and spec.backward_op_overhead_s > 0
+    # a real run's time between tasks: more than nothing, less than a millisecond-scale
+    # chunk of this tiny model would take many times over
+    assert 0 < spec.task_overhead_s < 0.05
     assert 0 < spec.cores_per_node <= 2
     for kind in ("all_reduce", "all_gather", "reduce_scatter", "p2p"):
         ab = getattr(spec, kind)

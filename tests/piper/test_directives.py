@@ -144,7 +144,7 @@ def test_split_before_place_raises_phase_order_error(dag0: TrainingDAG) -> None:
     prog = Program([Split(2), *(Place(tuple(r), stage=s, device=s)
                                 for s, r in enumerate(STAGES[2]))])
     with pytest.raises(piper.DirectiveError, match="in the order Place, Split, SplitBackward, "
-                       "Replicate/Shard/ShardTensor, Order/Stream") as e:
+                       "Replicate/Shard/ShardTensor/Recompute, Order/Stream") as e:
         prog.apply(dag0)
     assert e.value.index == 1
     assert isinstance(e.value.directive, Place)

@@ -1,6 +1,6 @@
 """The memory bound that rejects points before simulation never exceeds the simulated peak
 (so no point that fits is dropped), and is the simulated peak whenever every device has an
-Order — which is every point the search proposes."""
+Order — which is every point the search proposes, with or without recompute."""
 
 from __future__ import annotations
 
@@ -25,9 +25,12 @@ def test_bound_is_the_simulated_peak_across_schedules_zero_and_tp():
             prog = space.program(**p)
             bound = ev.peak_memory_bound(prog)
             assert bound == max(ev.evaluate(prog).prediction.peak_memory_bytes), p
-            seen.add((p["schedule"], p["zero"], p.get("tp", 1) > 1, p.get("ep", 1) > 1))
+            seen.add((p["schedule"], p["zero"], p.get("tp", 1) > 1, p.get("ep", 1) > 1,
+                      p["recompute"]))
         assert len({s for s, *_ in seen}) == 5 and len({z for _, z, *_ in seen}) == 4
-        assert any(tp or ep for *_, tp, ep in seen)
+        assert any(tp or ep for *_, tp, ep, _ in seen)
+        # recomputed stages: inputs kept, one region rebuilt in B or I, W's products after I
+        assert {(s, r) for s, *_, r in seen} >= {(s, True) for s in ("1f1b", "zb1p")}
 
 
 @pytest.mark.parametrize("sampler", ["tpe", "grid"])

@@ -57,6 +57,14 @@ CASES = {
     "pp2_interleaved_v3_dp2": ["--gpus", "4", "--pp", "2", "--dp", "2", "--schedule",
                                "interleaved-1f1b", "--virtual-stages", "3",
                                "--microbatches", "2"],
+    # activation recompute: each region rebuilt in B (or I); ZeRO-3 gathers before the
+    # rebuild; the tensor-parallel f/g all-reduces run again inside it
+    "recompute_pp2_1f1b": ["--gpus", "2", "--pp", "2", "--microbatches", "4", "--recompute"],
+    "recompute_pp2_zb1p": ["--gpus", "2", "--pp", "2", "--schedule", "zb1p",
+                           "--microbatches", "4", "--recompute"],
+    "recompute_pp2_dp2_zero3": ["--gpus", "4", "--pp", "2", "--dp", "2", "--zero", "3",
+                                "--microbatches", "2", "--recompute"],
+    "recompute_tp2": ["--gpus", "2", "--tp", "2", "--microbatches", "2", "--recompute"],
     # tensor parallelism (examples/gpt.py's TP_PLAN: Megatron column/row pairs)
     "tp2": ["--gpus", "2", "--tp", "2", "--microbatches", "2"],
     "tp2_pp2_1f1b": ["--gpus", "4", "--tp", "2", "--pp", "2", "--microbatches", "4"],
@@ -76,6 +84,8 @@ CASES = {
                                "--schedule", "zb1p", "--microbatches", "4"],
     # Llama: RoPE, grouped-query attention (4 query / 2 key-value heads), SwiGLU
     "llama_tp2_pp2": ["--gpus", "4", "--tp", "2", "--pp", "2", "--microbatches", "2"],
+    # Qwen3-style: q/k RMSNorm per head, embedding tied to the output head across stages
+    "qwen3_tied_tp2_pp2": ["--gpus", "4", "--tp", "2", "--pp", "2", "--microbatches", "2"],
 }
 
 MOE = [str(ROOT / "examples" / "moe.py"), *TINY]
@@ -83,6 +93,8 @@ MOE = [str(ROOT / "examples" / "moe.py"), *TINY]
 OTHER_MODEL = {
     **{case: MOE for case in CASES if case.startswith("moe_")},
     "llama_tp2_pp2": [str(ROOT / "examples" / "llama.py"), *TINY],
+    "qwen3_tied_tp2_pp2": [str(ROOT / "examples" / "llama.py"), "--model-arg",
+                           "size=qwen3-tiny"],
     "tied_pp2_1f1b": [GPT, *TINY, "--model-arg", "tie=true"],
     "tied_pp2_dp2_zero3": [GPT, *TINY, "--model-arg", "tie=true"],
     "tied_pp2_interleaved": [GPT, *TINY, "--model-arg", "tie=true"],

@@ -87,6 +87,9 @@ class Program:
             "virtual_stages": max(1, len(stages) // pp),
             "microbatches": split[0] if split else 1,
             "recompute": any(isinstance(d, Recompute) for d in self.directives),
+            # gradient collectives on a stream of their own (they overlap later compute)
+            "comm_stream": any(isinstance(d, Stream) and set(d.kinds.split()) & {"AR", "RS"}
+                               for d in self.directives),
         }
 
     # --- serialisation -------------------------------------------------------------------

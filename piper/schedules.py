@@ -21,6 +21,7 @@ from piper.directives import (
     ShardTensor,
     Split,
     SplitBackward,
+    Stream,
 )
 from piper.program import Program
 
@@ -272,6 +273,15 @@ def with_recompute(program: Program, stages: Sequence[int] = ()) -> Program:
     """`program` with activation recompute (`Recompute`) on `stages` (default: all), before
     its Orders: the schedule is unchanged, each backward rebuilds its activations first."""
     return _insert(program, [Recompute(tuple(stages))])
+
+
+def with_comm_stream(program: Program, zero: int = 0) -> Program:
+    """`program` with its data-parallel collectives on a stream of their own ("comm"), so
+    a gradient all-reduce or reduce-scatter overlaps the compute after it. One group's
+    collectives share the stream (they must meet in one order on every rank); ZeRO-3's
+    parameter gathers stay on the compute stream, which waits for them anyway."""
+    kinds = "AR" if zero == 3 else "AR RS AG" if zero else "AR RS"
+    return Program([*program.directives, Stream(kinds, stream="comm")], name=program.name)
 
 
 def _insert(program: Program, extra: list[Directive]) -> Program:

@@ -175,7 +175,7 @@ def _program(args: argparse.Namespace, ev: Any) -> Any:
 
     if args.strategy:
         shorthand = [f for f in ("pp", "dp", "tp", "ep", "schedule", "microbatches",
-                                 "recompute") if getattr(args, f, None)]
+                                 "recompute", "comm_stream") if getattr(args, f, None)]
         if shorthand:
             raise PiperError(f"--strategy and --{shorthand[0]} are mutually exclusive")
         return _within_node(Program.load(args.strategy), ev.cluster, args.strategy)

@@ -1,5 +1,5 @@
-"""The space a search walks: the model's default space with activation recompute as a
-choice, less the tensor/expert-parallel degrees its code cannot run at.
+"""The space a search walks: the model's default space with activation recompute and a comm
+stream for gradient collectives as choices, less the tensor/expert-parallel degrees its code cannot run at.
 
 `model_space` allows a TP degree when every TP_PLAN linear divides by it, but the model's
 forward may still not run split that way (attention heads fewer than the degree, a reshape
@@ -19,11 +19,12 @@ from search_spaces.pipeline import PipelineSpace, model_space
 
 
 def search_space(evaluator: Evaluator, gpus_per_node: int) -> tuple[PipelineSpace, list[str]]:
-    """The viable default space, with and without activation recompute, and a line per
-    degree left out (with the reason)."""
+    """The viable default space, with and without activation recompute and a comm stream,
+    and a line per degree left out (with the reason)."""
     ev = evaluator
     space = model_space(ev.graph, ev.region_costs(), ev.gpus, ev.batch_size, gpus_per_node)
-    return viable(dataclasses.replace(space, recomputes=(False, True)), ev)
+    return viable(dataclasses.replace(space, recomputes=(False, True),
+                                      comm_streams=(False, True)), ev)
 
 
 def viable(space: PipelineSpace, evaluator: Evaluator) -> tuple[PipelineSpace, list[str]]:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 
 from piper import schedules
-from piper.directives import Stream
 from piper.errors import PiperError
 from piper.program import Program
 from search_spaces.partition import balanced_stages
@@ -65,9 +64,7 @@ def shorthand_program(args: argparse.Namespace, gpus: int, regions: tuple[str, .
         raise PiperError(str(e)) from None
     prog = schedules.shard(prog, tp=tp, ep=ep, expert_regions=expert_regions)
     if getattr(args, "comm_stream", False):
-        # one group's collectives share a stream: ZeRO-3's gathers stay with compute
-        kinds = {1: "AR RS AG", 2: "AR RS AG", 3: "AR"}.get(args.zero or 0, "AR RS")
-        prog = Program([*prog.directives, Stream(kinds, stream="comm")], name=prog.name)
+        prog = schedules.with_comm_stream(prog, args.zero or 0)
     return prog
 
 

@@ -1,5 +1,5 @@
-"""dp × pp × tp × ep × ZeRO × microbatches × schedule × recompute, stage boundaries balanced
-by cost."""
+"""dp × pp × tp × ep × ZeRO × microbatches × schedule × recompute × comm stream, stage
+boundaries balanced by cost."""
 
 from __future__ import annotations
 
@@ -28,7 +28,8 @@ def divisors(n: int) -> list[int]:
 
 
 SAMPLE_ORDER = (Dimension("schedule", ordinal=False), Dimension("zero", ordinal=False),
-                Dimension("recompute", ordinal=False), Dimension("tp", ordinal=True),
+                Dimension("recompute", ordinal=False), Dimension("comm_stream", ordinal=False),
+                Dimension("tp", ordinal=True),
                 Dimension("pp", ordinal=True), Dimension("microbatches", ordinal=True),
                 Dimension("ep", ordinal=True))
 """The order `sample` asks in: categorical choices first (their values never change), then
@@ -44,7 +45,9 @@ class PipelineSpace(SearchSpace):
     dualpipev put two stages on each. `zeros` are the ZeRO stages to try for the
     data-parallel replicas; `recomputes` whether to recompute activations (`Recompute` on
     every stage: less memory for about one more forward per backward, so it pays where
-    memory, not time, is what rules points out).
+    memory, not time, is what rules points out); `comm_streams` whether the data-parallel
+    collectives ride a stream of their own, overlapping the compute after them
+    (`schedules.with_comm_stream`).
     """
 
     regions: tuple[str, ...]
@@ -62,6 +65,8 @@ class PipelineSpace(SearchSpace):
     recomputes: tuple[bool, ...] = (False,)
     """Activation recompute off/on; (False, True) doubles the space (`planner.space` asks
     for it in a real search)."""
+    comm_streams: tuple[bool, ...] = (False,)
+    """Gradient collectives on the compute stream / on their own (only with dp > 1)."""
 
     def grid(self) -> Mapping[str, Sequence[Any]]:
         pps = [p for p in divisors(self.gpus) if p <= len(self.regions)]
@@ -75,6 +80,8 @@ class PipelineSpace(SearchSpace):
             g["ep"] = list(self.eps)
         if self.recomputes != (False,):
             g["recompute"] = list(self.recomputes)
+        if self.comm_streams != (False,):
+            g["comm_stream"] = list(self.comm_streams)
         return g
 
     def sample(self, trial: TrialLike) -> dict[str, Any]:
@@ -88,7 +95,7 @@ class PipelineSpace(SearchSpace):
 
     def params_of(self, point: dict[str, Any]) -> dict[str, Any]:
         """The trial parameters `sample` maps to `point` (a feasible point)."""
-        full = {"tp": 1, "ep": 1, "zero": 0, "recompute": False, **point}
+        full = {**_DEFAULTS, **point}
         return conditional.params_for(SAMPLE_ORDER, _feasible_tuples(self),
                                       tuple(full[k] for k in _NAMES))
 
@@ -103,7 +110,8 @@ class PipelineSpace(SearchSpace):
             raise Infeasible(reason)
 
     def violation(self, *, pp: int, microbatches: int, schedule: str, zero: int = 0,
-                  tp: int = 1, ep: int = 1, recompute: bool = False) -> str | None:
+                  tp: int = 1, ep: int = 1, recompute: bool = False,
+                  comm_stream: bool = False) -> str | None:
         """Why the point is not a valid strategy, or None; no Program is built (recompute
         runs with everything, so it adds no rule)."""
         m, sched = microbatches, schedule
@@ -121,6 +129,10 @@ class PipelineSpace(SearchSpace):
             return f"dp={dp} x microbatches={m} does not divide batch {self.batch_size}"
         if zero and dp == 1:
             return "ZeRO shards over data-parallel replicas; dp=1 has none"
+        if comm_stream and dp == 1:
+            return "a comm stream carries data-parallel collectives; dp=1 has none"
+        if comm_stream and zero == 3:  # its gradient scatters share a group with the gathers
+            return "ZeRO-3's collectives stay on the compute stream (it waits for its gathers)"
         if sched == "interleaved-1f1b" and m % pp:
             return f"interleaved-1f1b needs microbatches ({m}) divisible by pp={pp}"
         if sched == "dualpipev" and m < 2 * pp:
@@ -135,13 +147,16 @@ class PipelineSpace(SearchSpace):
         prog = schedules.build(sched, self.stages(pp * VIRTUAL.get(sched, 1)), microbatches=m,
                                dp=dp, pp=pp, zero=zero,
                                recompute=bool(params.get("recompute", False)))
-        return schedules.shard(prog, tp=tp, ep=ep, expert_regions=self.expert_regions)
+        prog = schedules.shard(prog, tp=tp, ep=ep, expert_regions=self.expert_regions)
+        return schedules.with_comm_stream(prog, zero) if params.get("comm_stream") else prog
 
     def stages(self, n: int) -> list[list[str]]:
         return [list(s) for s in _stages(self.regions, self.region_costs, n)]
 
 
 _NAMES = tuple(d.name for d in SAMPLE_ORDER)
+_DEFAULTS = {"tp": 1, "ep": 1, "zero": 0, "recompute": False, "comm_stream": False}
+"""Values of the dimensions a space may leave out of its grid."""
 
 
 @functools.cache
@@ -157,7 +172,7 @@ def _feasible_tuples(space: PipelineSpace, grid_order: bool = False
     """Every valid point as values of SAMPLE_ORDER (once per space: thousands of cheap
     checks); `grid_order` lists them in the grid's order instead of sampling order."""
     g = dict(space.grid())
-    defaults = {"tp": [1], "ep": [1], "recompute": [False]}
+    defaults = {k: [v] for k, v in _DEFAULTS.items() if k != "zero"}
     for k, v in defaults.items():
         g.setdefault(k, v)
     keys = list(space.grid()) + [k for k in defaults if k not in space.grid()]
@@ -173,8 +188,9 @@ def _feasible_tuples(space: PipelineSpace, grid_order: bool = False
 def model_space(graph: ModelGraph, region_costs: tuple[float, ...], gpus: int,
                 batch_size: int, gpus_per_node: int) -> PipelineSpace:
     """Every schedule and ZeRO stage, plus the tensor-parallel degrees the model's TP_PLAN
-    allows within one node and the expert-parallel degrees its experts allow. Recompute is
-    left off (`recomputes`); the planner's search adds it (`planner.space`)."""
+    allows within one node and the expert-parallel degrees its experts allow. Recompute and
+    the comm stream are left off (`recomputes`, `comm_streams`); the planner's search adds
+    them (`planner.space`)."""
     tps = [1]
     if graph.tp_plan:
         targets = plan_targets(graph.tp_plan, dict(graph.linears))

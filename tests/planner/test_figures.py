@@ -89,7 +89,8 @@ def test_search_writes_the_best_plans_trace(searched: tuple[Path, dict]) -> None
 
 def record(number: int, step_ms: float, peak_mib: int) -> TrialRecord:
     summary = {"dp": 1, "pp": 2, "tp": 1, "ep": 1, "zero": 0, "schedule": "1f1b",
-               "virtual_stages": 1, "microbatches": 4, "recompute": False}
+               "virtual_stages": 1, "microbatches": 4, "recompute": False,
+               "comm_stream": False}
     return TrialRecord(number, summary, Program([]), {
         "step_time_s": step_ms / 1e3, "peak_memory_bytes": [peak_mib * 2**20, 0],
         "tokens_per_s": 1.0, "mfu": 0.1}, True)

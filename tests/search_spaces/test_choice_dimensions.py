@@ -1,0 +1,91 @@
+"""Recompute and the comm stream as search dimensions: off by default (the space is as
+before), categorical choices when asked for, in every sample and every Program it names."""
+
+from __future__ import annotations
+
+import optuna
+import pytest
+
+import piper
+from piper import Recompute, Stream
+from piper.dag import Kind, TrainingDAG
+from piper.model_file import load_model_file
+from search_spaces import PipelineSpace
+from search_spaces.pipeline import ALL_SCHEDULES
+
+REGIONS = ("embed", "layer.0", "layer.1", "layer.2", "layer.3", "head")
+# dimension -> the PipelineSpace field that turns it on
+CHOICES = {"recompute": "recomputes", "comm_stream": "comm_streams"}
+
+
+def space(**kw: object) -> PipelineSpace:
+    return PipelineSpace(REGIONS, (1.0,) * 6, 4, 16, schedules=ALL_SCHEDULES, zeros=(0, 3),
+                         **kw)  # type: ignore[arg-type]
+
+
+def on(dim: str) -> PipelineSpace:
+    return space(**{CHOICES[dim]: (False, True)})
+
+
+@pytest.fixture(scope="module")
+def dag0() -> TrainingDAG:
+    cap = piper.capture(load_model_file("examples/gpt.py", (("size", "tiny"),)), 2)
+    return piper.single_device_dag(cap.graph)
+
+
+def dp_of(point: dict) -> int:
+    return 4 // (point["pp"] * point.get("tp", 1))
+
+
+@pytest.mark.parametrize("dim", CHOICES)
+def test_choice_is_off_by_default_and_doubles_the_space_where_it_applies(dim: str) -> None:
+    off, sp = space(), on(dim)
+    assert dim not in off.grid() and dim not in off.parameters()
+    assert sp.grid()[dim] == [False, True]
+    assert sp.parameters()[dim] == [False, True]
+    points = sp.points()
+    assert [{k: v for k, v in p.items() if k != dim} for p in points
+            if not p[dim]] == off.points()
+    # recompute runs with everything; a comm stream needs data-parallel collectives
+    applies = [p for p in off.points() if dim == "recompute" or dp_of(p) > 1]
+    assert 0 < len(applies) and len(points) == len(off.points()) + len(applies)
+
+
+def test_every_point_names_a_program_that_recomputes_as_it_says(dag0: TrainingDAG) -> None:
+    sp = on("recompute")
+    for point in sp.points():
+        prog = sp.program(**point)
+        dag = prog.apply(dag0)
+        assert any(isinstance(d, Recompute) for d in prog.directives) == point["recompute"]
+        assert prog.summary()["recompute"] == point["recompute"]
+        assert dag.recompute == (tuple(range(len(dag.stages))) if point["recompute"] else ())
+
+
+def test_every_point_puts_gradient_collectives_where_it_says(dag0: TrainingDAG) -> None:
+    sp = on("comm_stream")
+    for point in sp.points():
+        prog = sp.program(**point)
+        dag = prog.apply(dag0)
+        assert any(isinstance(d, Stream) for d in prog.directives) == point["comm_stream"]
+        assert prog.summary()["comm_stream"] == point["comm_stream"]
+        moved = {k for k, s in dag.streams if s == "comm"}
+        # the gradient all-reduce moves in every case (ZeRO-3's gathers stay on compute)
+        assert (Kind.ALL_REDUCE.value in moved) == point["comm_stream"]
+        assert Kind.ALL_GATHER.value not in moved or point["zero"] != 3
+
+
+@pytest.mark.parametrize("dim", CHOICES)
+def test_samples_choose_both_ways_and_map_back(dim: str) -> None:
+    sp = on(dim)
+    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))
+    seen = set()
+    for _ in range(32):
+        trial = study.ask()
+        point = sp.sample(trial)
+        assert trial.params.get(dim, False) == point[dim]
+        assert sp.sample(optuna.trial.FixedTrial(sp.params_of(point))) == point
+        seen.add(point[dim])
+        prog = sp.suggest(optuna.trial.FixedTrial(trial.params))
+        assert prog.summary()[dim] == point[dim]
+        study.tell(trial, 0.0)
+    assert seen == {False, True}

@@ -28,12 +28,13 @@ def divisors(n: int) -> list[int]:
 
 
 SAMPLE_ORDER = (Dimension("schedule", ordinal=False), Dimension("zero", ordinal=False),
-                Dimension("recompute", ordinal=False), Dimension("comm_stream", ordinal=False),
-                Dimension("tp", ordinal=True),
+                Dimension("recompute", ordinal=False), Dimension("tp", ordinal=True),
                 Dimension("pp", ordinal=True), Dimension("microbatches", ordinal=True),
-                Dimension("ep", ordinal=True))
+                Dimension("ep", ordinal=True), Dimension("comm_stream", ordinal=True))
 """The order `sample` asks in: categorical choices first (their values never change), then
-the degrees, each among the values the earlier choices left valid."""
+the degrees, each among the values the earlier choices left valid. The comm stream comes
+last and by position: whether it is possible depends on the degrees and the ZeRO stage
+(dp > 1, not ZeRO-3), and a position always lands on a value still valid."""
 
 
 @dataclass(frozen=True)

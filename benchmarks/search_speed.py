@@ -2,6 +2,7 @@
 
     python benchmarks/search_speed.py speed             # the two timed commands + a profile
     python benchmarks/search_speed.py quality --seeds 5  # default search against exhaustive
+    python benchmarks/search_speed.py quality --full-space  # ... with recompute, comm stream
 
 speed: runs the CLI as a subprocess (the whole command: interpreter start, imports, capture,
 search, outputs), wall and CPU seconds of the child:
@@ -24,6 +25,7 @@ Results go to stdout as JSON lines (one per measurement), a summary table to std
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import resource
@@ -147,7 +149,7 @@ def _quiet() -> Iterator[None]:
 
 
 # ---- quality -------------------------------------------------------------------------------
-def quality(seeds: int, only: str | None) -> None:
+def quality(seeds: int, only: str | None, full: bool = False) -> None:
     from cost_models import CATALOG
     from piper.model_file import load_model_file
     from planner.cache import EvaluationCache
@@ -163,6 +165,9 @@ def quality(seeds: int, only: str | None) -> None:
         batch = batch or spec.batch_size
         ev = Evaluator(spec, gpus, batch, cluster, cache=EvaluationCache(size=1 << 16))
         space = model_space(ev.graph, ev.region_costs(), gpus, batch, cluster.gpus_per_node)
+        if full:  # the space `piper-plan search` walks: recompute and comm stream as choices
+            space = dataclasses.replace(space, recomputes=(False, True),
+                                        comm_streams=(False, True))
         n = len(space.points())
         with tempfile.TemporaryDirectory() as tmp:
             def search(sampler: str, trials: int, seed: int, ev: Any = ev,
@@ -230,9 +235,11 @@ def main(argv: list[str] | None = None) -> None:
     q = sub.add_parser("quality")
     q.add_argument("--seeds", type=int, default=5)
     q.add_argument("--only", help="run only cases whose name contains this")
+    q.add_argument("--full-space", action="store_true",
+                   help="with recompute and the comm stream as choices, as the search has")
     a = p.parse_args(argv)
     run: Callable[[], None] = (lambda: speed(a.extra)) if a.what == "speed" else (
-        lambda: quality(a.seeds, a.only))
+        lambda: quality(a.seeds, a.only, a.full_space))
     run()
 
 

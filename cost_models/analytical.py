@@ -280,7 +280,8 @@ class TaskCosts:
         """Busy time of `task` on `rank`'s stream."""
         k = task.kind
         if k.is_compute:
-            return self._compute(task) + self.cluster.task_overhead_s
+            return (self._compute(task) * self.cluster.runtime_compute_factor
+                    + self.cluster.task_overhead_s)
         if k is Kind.SEND:
             # isend: the sender posts it and moves on; the wire time is `transfer`
             return self.cluster.send_overhead_s + self.cluster.task_overhead_s

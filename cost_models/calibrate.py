@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import itertools
 import socket
 import statistics
 from collections.abc import Sequence
@@ -22,7 +23,10 @@ from cost_models.analytical import UPDATE_BYTES_PER_PARAM, ModelCosts
 from cost_models.cluster import AlphaBeta, ClusterSpec
 from cost_models.fit import CommSample, OverheadSample
 from cost_models.probes import SEND_POST, ComputeTimings
+from cost_models.simulator import simulate
 from piper.errors import PiperError
+from runtime.dryrun import Span
+from runtime.plan import Plan
 
 
 @dataclass(frozen=True)
@@ -40,9 +44,18 @@ class Measurements:
     comm: tuple[CommSample, ...]
     """One sample per round: the slowest rank's seconds per op."""
     compute: ComputeTimings
-    task_gaps: tuple[float, ...] = ()
-    """Seconds between consecutive tasks of one stream in a real run (the runtime's own
-    bookkeeping per task); empty: not measured."""
+    run: RunSample | None = None
+    """A short real run of the runtime; None: not measured."""
+
+
+@dataclass(frozen=True)
+class RunSample:
+    """A short real training run: its Plan, microbatch size and the measured timeline of
+    its last step, to price what only the runtime adds to the probes' figures."""
+
+    plan: Plan
+    microbatch_size: int
+    spans: tuple[Span, ...]
 
 
 @dataclass(frozen=True)
@@ -85,13 +98,48 @@ def calibrate(m: Measurements, costs: ModelCosts, *, name: str) -> tuple[Cluster
     # the mean, not the median: a step pays every slow post too
     posts = [s.seconds for s in m.comm if s.kind == SEND_POST]
     spec = dataclasses.replace(base, op_overhead_s=fwd, backward_op_overhead_s=bwd,
-                               send_overhead_s=statistics.mean(posts) if posts else 0.0,
-                               task_overhead_s=statistics.mean(m.task_gaps)
-                               if m.task_gaps else 0.0)
+                               send_overhead_s=statistics.mean(posts) if posts else 0.0)
+    if m.run is not None:
+        spec = _in_run(spec, m.run, costs)
     errors.append(("chunks", _mape(
         [(t.forward_s, f) for t, (f, _) in _predicted_chunks(m.compute, costs, spec)]
         + [(t.backward_s, b) for t, (_, b) in _predicted_chunks(m.compute, costs, spec)])))
     return spec, FitReport(tuple(errors))
+
+
+def _in_run(spec: ClusterSpec, run: RunSample, costs: ModelCosts) -> ClusterSpec:
+    """What a real step adds to the probes' figures: the executor's time between tasks
+    (the mean gap; a step pays every slow one), then how much longer its compute tasks ran
+    than the simulator, with those figures, predicts for the same Plan."""
+    gaps = task_gaps(run.spans)
+    spec = dataclasses.replace(spec, task_overhead_s=statistics.mean(gaps) if gaps else 0.0)
+    predicted = simulate(run.plan, costs, spec, run.microbatch_size).spans
+    measured, modelled = _compute_s(run.spans), _compute_s(predicted)
+    if measured <= 0 or modelled <= 0:
+        return spec
+    # measured spans hold the work alone (their gaps are the overhead); simulated spans
+    # add the overhead to each task, which the factor must not scale
+    n = sum(1 for s in predicted if s.task.kind.is_compute)
+    factor = measured / max(modelled - n * spec.task_overhead_s, 1e-12)
+    return dataclasses.replace(spec, runtime_compute_factor=factor)
+
+
+def task_gaps(spans: Sequence[Span]) -> list[float]:
+    """Seconds between one task's end and the next one's start on the same rank and stream:
+    the executor's bookkeeping per task (events, progress, memory ledger, thread hand-offs),
+    which probes that time the work alone leave out."""
+    lanes: dict[tuple[int, str], list[tuple[float, float]]] = {}
+    for sp in spans:
+        lanes.setdefault((sp.rank, sp.stream), []).append((sp.start, sp.end))
+    out = []
+    for lane in lanes.values():
+        lane.sort()
+        out += [b[0] - a[1] for a, b in itertools.pairwise(lane) if b[0] >= a[1]]
+    return out
+
+
+def _compute_s(spans: Sequence[Span]) -> float:
+    return sum(s.end - s.start for s in spans if s.task.kind.is_compute)
 
 
 def _links(samples: Sequence[CommSample], errors: list[tuple[str, float]]
@@ -141,5 +189,6 @@ def _source(m: Measurements) -> str:
     return (f"measured by `piper-plan profile` on {socket.gethostname()} ({m.device_name}, "
             f"{m.ranks} ranks{cores}) at {when}: flops is the fitted fp32 matmul rate of one "
             "rank (so compute_efficiency is 1); collectives and p2p fitted with alpha-beta "
-            "over message sizes; inter-node figures were not measured (one node) and copy "
-            "the intra-node p2p figures")
+            "over message sizes; task_overhead_s and runtime_compute_factor from a short "
+            "real run; inter-node figures were not measured (one node) and copy the "
+            "intra-node p2p figures")

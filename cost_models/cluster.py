@@ -83,6 +83,11 @@ class ClusterSpec:
     """Fixed seconds per parameter tensor in an optimizer step (AdamW runs ops per tensor)."""
     task_overhead_s: float = 0.0
     """Fixed seconds the runtime spends per task of a Plan (bookkeeping between tasks)."""
+    runtime_compute_factor: float = 1.0
+    """How much longer compute tasks take inside a real training step than the profile's
+    probes time them, beyond what core sharing explains (many short tasks woken and put to
+    sleep, the runtime's own threads): fitted by `piper-plan profile` from a short real run;
+    1 for the catalog's GPUs."""
     send_overhead_s: float = 0.0
     """Seconds a rank is busy posting one message (LogP's sender overhead o); the message
     then travels for alpha + n / beta."""
@@ -129,6 +134,9 @@ class ClusterSpec:
         c = self.cores_per_node
         if c is not None and (not _number(c) or not 0 < c < math.inf):
             problems.append(f"cores_per_node must be a number > 0, got {c!r}")
+        k = self.runtime_compute_factor
+        if not _number(k) or not 0 < k < math.inf:
+            problems.append(f"runtime_compute_factor must be a number > 0, got {k!r}")
         for f in COLLECTIVE_FIELDS:
             if getattr(self, f) is not None and not isinstance(getattr(self, f), AlphaBeta):
                 problems.append(f"{f} must be an AlphaBeta, got {getattr(self, f)!r}")

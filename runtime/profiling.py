@@ -6,7 +6,8 @@
 Compute probes run on rank 0 alone while the others wait at a barrier, so chunk timings are
 those of an unshared device (sharing is the simulator's business: `cost_models.contention`);
 communication probes run on every rank at once. Last, a short real run of the runtime
-(`task_gaps`) times what no probe sees: the executor's own work between two tasks.
+(`short_run`) times what no probe sees: the executor's own work between two tasks, and
+compute among the step's other work.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import ray
 import torch
 import torch.distributed as dist
 
-from cost_models.calibrate import Measurements
+from cost_models.calibrate import Measurements, RunSample
 from cost_models.fit import CommSample
 from cost_models.probes import (
     ComputeTimings,
@@ -116,7 +117,7 @@ def measure(spec: ModelSpec, *, gpus: int, device: str, plan: ProbePlan | None =
         for a in actors:
             ray.kill(a, no_restart=True)
         actors = []
-        gaps = task_gaps(spec, gpus, device, timeout_s)
+        sample = short_run(spec, gpus, device, timeout_s)
     finally:
         for a in actors:
             ray.kill(a, no_restart=True)
@@ -126,19 +127,18 @@ def measure(spec: ModelSpec, *, gpus: int, device: str, plan: ProbePlan | None =
                         memory_bytes=_memory_per_rank(device, gpus),
                         cores=effective_cores(sharing) if device == "cpu" else None,
                         comm=tuple(slowest_rank(comm)), compute=compute,
-                        task_gaps=tuple(gaps))
+                        run=sample)
 
 
-GAP_STEPS = 4
-"""Steps of the runtime probe; the first (warm-up) is not used."""
+RUN_STEPS = 4
+"""Steps of the short real run; only the last one's timeline is used."""
 
 
-def task_gaps(spec: ModelSpec, gpus: int, device: str, timeout_s: float) -> list[float]:
-    """Seconds between one task's end and the next one's start on the same rank and stream,
-    in the last step of a short real run (1F1B over two stages where the model and `gpus`
-    allow, data parallel for the rest, microbatches of one sample): the executor's
-    bookkeeping per task (events, progress, memory ledger, thread hand-offs), which the
-    compute and communication probes leave out because they time the work alone."""
+def short_run(spec: ModelSpec, gpus: int, device: str, timeout_s: float) -> RunSample:
+    """A few real steps of 1F1B over two stages where the model and `gpus` allow (data
+    parallel for the rest, microbatches of one sample), for what only the runtime adds to
+    the probes' figures (`cost_models.calibrate`): time between tasks, and how much slower
+    compute runs among the step's other work than alone."""
     from piper import schedules
     from runtime.launcher import lower, run
     from search_spaces.partition import balanced_stages
@@ -150,13 +150,10 @@ def task_gaps(spec: ModelSpec, gpus: int, device: str, timeout_s: float) -> list
     program = schedules.one_f_one_b([[names[i] for i in r] for r in cut],
                                     microbatches=2 * pp, dp=dp)
     batch = 2 * pp * dp
-    res = run(spec, lower(spec, program, gpus, batch), batch_size=batch, steps=GAP_STEPS,
-              seed=0, device=device, timeout_s=timeout_s)
-    lanes: dict[tuple[int, str], list[tuple[float, float]]] = {}
-    for sp in res.spans:  # the last step's
-        lanes.setdefault((sp.rank, sp.stream), []).append((sp.start, sp.end))
-    return [b[0] - a[1] for spans in lanes.values()
-            for a, b in zip(sorted(spans), sorted(spans)[1:]) if b[0] >= a[1]]
+    plan = lower(spec, program, gpus, batch)
+    res = run(spec, plan, batch_size=batch, steps=RUN_STEPS, seed=0, device=device,
+              timeout_s=timeout_s)
+    return RunSample(plan, 1, res.spans)
 
 
 def effective_cores(sharing: list[tuple[list[float], list[float]]]) -> float:

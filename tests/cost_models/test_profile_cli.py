@@ -33,6 +33,8 @@ def test_profile_writes_a_cluster_that_simulate_accepts(ray_session, tmp_path: P
     # a real run's time between tasks: more than nothing, less than a millisecond-scale
     # chunk of this tiny model would take many times over
     assert 0 < spec.task_overhead_s < 0.05
+    # and how much slower compute runs in a real step than the probes time it alone
+    assert 0.2 < spec.runtime_compute_factor < 20
     assert 0 < spec.cores_per_node <= 2
     for kind in ("all_reduce", "all_gather", "reduce_scatter", "p2p"):
         ab = getattr(spec, kind)

@@ -14,7 +14,8 @@ tensors at a time.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
+from dataclasses import dataclass
 
 from cost_models.analytical import ModelCosts, recomputed
 from piper.dag import Kind
@@ -88,43 +89,65 @@ def recompute_bytes(costs: ModelCosts, regions: Sequence[str], microbatch_size: 
             round(costs.activation_bytes_of(regions, microbatch_size)) - kept)
 
 
+@dataclass(frozen=True)
+class StageMemory:
+    """Per stage, the bytes a microbatch's tasks hold and free: its kept activations (`act`),
+    the largest region a recompute rebuilds (`rebuilt`, during B or I), what a split
+    backward's I leaves for W (`held`), ZeRO-3's gathered parameters while a chunk runs and
+    ZeRO-2/3's full gradient from a backward to its reduce-scatter. One account for the
+    simulated peak (`peak_memory`) and the planner's bound from Orders
+    (`planner.memory_bound`), so the two agree by construction."""
+
+    act: tuple[int, ...]
+    rebuilt: tuple[int, ...]
+    held: tuple[int, ...]
+    gathered: tuple[int, ...]
+    grad_buf: tuple[int, ...]
+    recompute: frozenset[int]
+
+    @staticmethod
+    def of(stage_regions: Sequence[Sequence[str]], costs: ModelCosts, microbatch_size: int,
+           zero: int, recompute: Collection[int]) -> StageMemory:
+        again = frozenset(recompute)
+        act = tuple(round(costs.activation_bytes_of(rs, microbatch_size, s in again))
+                    for s, rs in enumerate(stage_regions))
+        extra = [recompute_bytes(costs, rs, microbatch_size) if s in again else (0, 0)
+                 for s, rs in enumerate(stage_regions)]
+        full = tuple(costs.element_size * costs.params_of(rs) for rs in stage_regions)
+        none = tuple(0 for _ in full)
+        return StageMemory(act, tuple(r for r, _ in extra), tuple(h for _, h in extra),
+                           full if zero == 3 else none, full if zero >= 2 else none, again)
+
+    def peak(self, base: int, tasks: Iterable[tuple[Kind, int]]) -> int:
+        """The highest total over `tasks` (kind, stage) run in order from `base` bytes: a
+        forward allocates when it starts and a backward frees when it ends, so the
+        backward's own working set is counted while it runs."""
+        live = peak = base
+        for kind, st in tasks:
+            if kind is Kind.FWD:
+                live += self.act[st]
+                peak = max(peak, live + self.gathered[st])
+            elif kind is Kind.BWD_I and st in self.recompute:  # the rebuild runs in I
+                peak = max(peak, live + self.gathered[st] + self.rebuilt[st])
+                live += self.held[st]
+            elif kind.ends_backward:
+                work = self.rebuilt[st] if kind is Kind.BWD else 0
+                peak = max(peak, live + self.gathered[st] + self.grad_buf[st] + work)
+                live -= self.act[st] + (self.held[st] if kind is Kind.BWD_W else 0)
+        return peak
+
+
 def peak_memory(plan: Plan, costs: ModelCosts, microbatch_size: int,
                 spans: Iterable[Span], recompute: bool | None = None) -> tuple[int, ...]:
-    """Per rank: the highest static + live-activation total along the simulated timeline.
-
-    A forward allocates when it starts and a backward frees when it ends, so the backward's
-    own working set is counted while it runs (under recompute: the largest region it
-    rebuilds, during B or I; after I, W's products until W ends). `recompute` as in
-    `activation_bytes`.
-    """
-    static = static_bytes(plan, costs)
-    act = activation_bytes(plan, costs, microbatch_size, recompute)
-    again = recomputed(plan, recompute)
-    extra = [recompute_bytes(costs, rs, microbatch_size) if s in again else (0, 0)
-             for s, rs in enumerate(plan.stage_regions)]
-    rebuilt, held = [r for r, _ in extra], [h for _, h in extra]
-    full = tuple(costs.element_size * p for p in stage_params(plan, costs))
-    gathered = full if plan.zero == 3 else tuple(0 for _ in full)  # live while a chunk runs
-    grad_buf = full if plan.zero >= 2 else tuple(0 for _ in full)  # from B to its RS
+    """Per rank: the highest static + live-activation total along the simulated timeline
+    (`StageMemory.peak`; under recompute: the largest region a backward rebuilds, during B
+    or I; after I, W's products until W ends). `recompute` as in `activation_bytes`."""
+    mem = StageMemory.of(plan.stage_regions, costs, microbatch_size, plan.zero,
+                         recomputed(plan, recompute))
     by_rank: dict[int, list[tuple[float, float, int, Span]]] = {rp.rank: [] for rp in plan.ranks}
     # ties in time (zero-length tasks) keep the executor's completion order, which is causal
     for i, s in enumerate(spans):
         by_rank[s.rank].append((s.start, s.end, i, s))
-    peaks = []
-    for rp, base in zip(plan.ranks, static, strict=True):
-        live = peak = base
-        for _, _, _, s in sorted(by_rank[rp.rank]):
-            st = s.task.stage
-            kind = s.task.kind
-            if kind is Kind.FWD:
-                live += act[st]
-                peak = max(peak, live + gathered[st])
-            elif kind is Kind.BWD_I and st in again:  # the rebuild runs in I
-                peak = max(peak, live + gathered[st] + rebuilt[st])
-                live += held[st]
-            elif kind.ends_backward:
-                work = rebuilt[st] if kind is Kind.BWD else 0
-                peak = max(peak, live + gathered[st] + grad_buf[st] + work)
-                live -= act[st] + (held[st] if kind is Kind.BWD_W else 0)
-        peaks.append(peak)
-    return tuple(peaks)
+    return tuple(mem.peak(base, ((s.task.kind, s.task.stage)
+                                 for _, _, _, s in sorted(by_rank[rp.rank])))
+                 for rp, base in zip(plan.ranks, static_bytes(plan, costs), strict=True))

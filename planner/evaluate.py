@@ -143,8 +143,7 @@ class Evaluator:
                 self._shardings[shards] = self.skeleton(program).sharding
             sharding = self._shardings[shards]
         costs = self.costs if sharding.trivial else self.sharded_costs(sharding)[0]
-        again = next((d.stages or range(len(regions)) for d in ds
-                      if isinstance(d, Recompute)), ())
+        again = next((d.chosen(len(regions)) for d in ds if isinstance(d, Recompute)), ())
         return max(device_peaks(
             regions, devices, [d for d in ds if isinstance(d, Order)],
             dp=rep.degree if rep else 1, zero=rep.zero if rep else 0, costs=costs,

@@ -39,7 +39,8 @@ def results_table(records: Sequence[TrialRecord], top: int = 10) -> str:
             seen.add(key)
             rows.append(r)
     head = (f"{'#':>4} {'dp':>4} {'pp':>3} {'tp':>2} {'ep':>2} {'zero':>4} {'mb':>4} "
-            f"{'schedule':<16} {'+':<5} {'step ms':>10} {'tokens/s':>12} {'MFU':>6} {'peak mem':>11} fits")
+            f"{'schedule':<16} {'+':<5} {'step ms':>10} {'tokens/s':>12} {'MFU':>6} "
+            f"{'peak mem':>11} fits")
     lines = [head, "-" * len(head)]
     for r in rows:
         s, p = r.summary, r.predicted

@@ -43,5 +43,8 @@ class Recompute(Directive):
         if bad:
             raise DirectiveError(index, self, f"stages {bad} do not exist ({len(dag.stages)} "
                                  "stages)")
-        chosen = tuple(sorted(set(self.stages or range(len(dag.stages)))))
-        return dag.with_graph(dag.graph, recompute=chosen)
+        return dag.with_graph(dag.graph, recompute=self.chosen(len(dag.stages)))
+
+    def chosen(self, n_stages: int) -> tuple[int, ...]:
+        """The stages it recomputes, of `n_stages`: `stages`, or all of them."""
+        return tuple(sorted(set(self.stages or range(n_stages))))

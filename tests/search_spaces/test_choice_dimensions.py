@@ -3,11 +3,13 @@ before), categorical choices when asked for, in every sample and every Program i
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import optuna
 import pytest
 
 import piper
-from piper import Recompute, Stream
+from piper import Program, Recompute, Stream
 from piper.dag import Kind, TrainingDAG
 from piper.model_file import load_model_file
 from search_spaces import PipelineSpace
@@ -55,21 +57,23 @@ def test_choice_is_off_by_default_and_doubles_the_space_where_it_applies(dim: st
     assert 0 < len(applies) and len(points) == len(off.points()) + len(applies)
 
 
-def test_every_point_names_a_program_that_recomputes_as_it_says(dag0: TrainingDAG) -> None:
-    sp = on("recompute")
+def programs(dim: str, dag0: TrainingDAG) -> Iterator[tuple[dict, Program, TrainingDAG]]:
+    """Every point of the space with `dim` on, its Program, and that applied to `dag0`."""
+    sp = on(dim)
     for point in sp.points():
         prog = sp.program(**point)
-        dag = prog.apply(dag0)
+        yield point, prog, prog.apply(dag0)
+
+
+def test_every_point_names_a_program_that_recomputes_as_it_says(dag0: TrainingDAG) -> None:
+    for point, prog, dag in programs("recompute", dag0):
         assert any(isinstance(d, Recompute) for d in prog.directives) == point["recompute"]
         assert prog.summary()["recompute"] == point["recompute"]
         assert dag.recompute == (tuple(range(len(dag.stages))) if point["recompute"] else ())
 
 
 def test_every_point_puts_gradient_collectives_where_it_says(dag0: TrainingDAG) -> None:
-    sp = on("comm_stream")
-    for point in sp.points():
-        prog = sp.program(**point)
-        dag = prog.apply(dag0)
+    for point, prog, dag in programs("comm_stream", dag0):
         assert any(isinstance(d, Stream) for d in prog.directives) == point["comm_stream"]
         assert prog.summary()["comm_stream"] == point["comm_stream"]
         moved = {k for k, s in dag.streams if s == "comm"}

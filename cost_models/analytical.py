@@ -26,6 +26,7 @@ from cost_models.cluster import ClusterSpec
 from cost_models.saved import saved_bytes
 from piper.capture import Captured
 from piper.dag import Kind
+from runtime.buckets import early_stages
 from runtime.plan import Plan, Task
 
 BACKWARD_FLOPS_RATIO = 2.0
@@ -271,6 +272,10 @@ class TaskCosts:
     recompute_s: tuple[float, ...] = ()
     """Per stage, the part of `backward_s` that re-runs the forward (`piper.Recompute`);
     empty: none. It belongs to I when the backward is split, W needs no activations."""
+    bucket_bytes: int = 0
+    """All-reduce bucket cap (`Plan.bucket_bytes`); 0: one all-reduce per stage."""
+    early_buckets: frozenset[int] = frozenset()
+    """Stages whose buckets start inside their last backward (`runtime.buckets`)."""
     _bytes: dict[str, int] = field(init=False, repr=False, compare=False, hash=False)
 
     def __post_init__(self) -> None:
@@ -287,11 +292,33 @@ class TaskCosts:
             return self.cluster.send_overhead_s + self.cluster.task_overhead_s
         if k is Kind.RECV:  # dry_run adds the wait until arrival
             return self.cluster.task_overhead_s
+        if k is Kind.ALL_REDUCE and self.bucket_bytes and not task.values:
+            return self._bucketed(task) + self.cluster.task_overhead_s
         kind = _COLLECTIVE.get(k)
         if kind is not None:  # ZeRO gathers parameters and scatters gradients of full size
             return comm.collective_time(kind, self.gradient_bytes[task.stage], task.group,
                                         self.cluster) + self.cluster.task_overhead_s
         raise NotImplementedError(f"no cost model for task kind {k.name} ({task.name})")
+
+    def _bucketed(self, task: Task) -> float:
+        """A bucketed all-reduce: one collective per bucket, back to back. Started early,
+        bucket j's gradients are final once backward has covered its share of the bytes
+        (backward finishes the parameters in reverse, about evenly); the task is what is
+        left after that backward ends (at least the last bucket)."""
+        total = self.gradient_bytes[task.stage]
+        sizes = [self.bucket_bytes] * (total // self.bucket_bytes)
+        if total % self.bucket_bytes or not sizes:
+            sizes.append(total % self.bucket_bytes)
+        times = [comm.collective_time(comm.ALL_REDUCE, n, task.group, self.cluster)
+                 for n in sizes]
+        if task.stage not in self.early_buckets or total == 0:
+            return sum(times)
+        back = self.backward_s[task.stage] * self.cluster.runtime_compute_factor
+        end, done = 0.0, 0
+        for n, t in zip(sizes, times, strict=True):
+            done += n
+            end = max(end, back * done / total) + t
+        return end - back
 
     def _compute(self, task: Task) -> float:
         k = task.kind
@@ -351,4 +378,6 @@ def task_costs(plan: Plan, costs: ModelCosts, cluster: ClusterSpec,
         gradient_bytes=tuple(costs.element_size * p for p in params),
         value_bytes=tuple((v.name, round(v.nbytes * scale)) for v in plan.model.values),
         recompute_s=rec if again else (),
+        bucket_bytes=plan.bucket_bytes,
+        early_buckets=early_stages(plan),
     )

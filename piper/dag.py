@@ -150,6 +150,7 @@ class TrainingDAG:
     microbatches: int = 1
     dp: int = 1
     zero: int = 0
+    bucket_bytes: int = 0  # data-parallel all-reduce bucket cap (Replicate.bucket_mb); 0: none
     placement: tuple[tuple[str, int, int], ...] = ()  # (region, stage, device) from Place
     ordered: tuple[int, ...] = ()  # devices an Order has constrained
     streams: tuple[tuple[str, str], ...] = ()  # task kind value -> logical stream (Stream)

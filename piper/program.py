@@ -90,6 +90,8 @@ class Program:
             # gradient collectives on a stream of their own (they overlap later compute)
             "comm_stream": any(isinstance(d, Stream) and set(d.kinds.split()) & {"AR", "RS"}
                                for d in self.directives),
+            # all-reduce bucket cap in MiB (DDP's bucket_cap_mb); None: one per stage
+            "bucket_mb": rep[0].bucket_mb if rep else None,
         }
 
     # --- serialisation -------------------------------------------------------------------

@@ -9,6 +9,8 @@ parallelism and activation recompute to any of them.
 
 from __future__ import annotations
 
+import dataclasses
+
 from collections.abc import Callable, Sequence
 
 from piper.directives import (
@@ -282,6 +284,14 @@ def with_comm_stream(program: Program, zero: int = 0) -> Program:
     parameter gathers stay on the compute stream, which waits for them anyway."""
     kinds = "AR" if zero == 3 else "AR RS AG" if zero else "AR RS"
     return Program([*program.directives, Stream(kinds, stream="comm")], name=program.name)
+
+
+def with_buckets(program: Program, bucket_mb: float | None) -> Program:
+    """`program` with its data-parallel all-reduces in buckets of at most `bucket_mb` MiB
+    (`Replicate.bucket_mb`; None: one per stage). A program without Replicate is returned
+    as is: it has no data-parallel collectives."""
+    return Program([dataclasses.replace(d, bucket_mb=bucket_mb) if isinstance(d, Replicate)
+                    else d for d in program.directives], name=program.name)
 
 
 def _insert(program: Program, extra: list[Directive]) -> Program:

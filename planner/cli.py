@@ -175,9 +175,11 @@ def _program(args: argparse.Namespace, ev: Any) -> Any:
 
     if args.strategy:
         shorthand = [f for f in ("pp", "dp", "tp", "ep", "schedule", "microbatches",
-                                 "recompute", "comm_stream") if getattr(args, f, None)]
+                                 "recompute", "comm_stream", "bucket_mb")
+                     if getattr(args, f, None)]
         if shorthand:
-            raise PiperError(f"--strategy and --{shorthand[0]} are mutually exclusive")
+            raise PiperError(f"--strategy and --{shorthand[0].replace('_', '-')} are "
+                             "mutually exclusive")
         return _within_node(Program.load(args.strategy), ev.cluster, args.strategy)
     graph = ev.captured.graph
     return _within_node(shorthand_program(args, args.gpus, graph.names, ev.region_costs(),

@@ -1,5 +1,5 @@
-"""The space a search walks: the model's default space with activation recompute and a comm
-stream for gradient collectives as choices, less the tensor/expert-parallel degrees its code
+"""The space a search walks: the model's default space with activation recompute, a comm
+stream for gradient collectives and all-reduce bucket sizes as choices, less the tensor/expert-parallel degrees its code
 cannot run at.
 
 `model_space` allows a TP degree when every TP_PLAN linear divides by it, but the model's
@@ -19,13 +19,18 @@ from search_spaces import Infeasible
 from search_spaces.pipeline import PipelineSpace, model_space
 
 
+BUCKETS_MB = (0, 25, 100)
+"""All-reduce bucket caps tried (MiB; 0: one per stage): DDP's default and a coarser one."""
+
+
 def search_space(evaluator: Evaluator, gpus_per_node: int) -> tuple[PipelineSpace, list[str]]:
     """The viable default space, with and without activation recompute and a comm stream,
-    and a line per degree left out (with the reason)."""
+    with one all-reduce per stage or DDP-style buckets (`BUCKETS_MB`), and a line per
+    degree left out (with the reason)."""
     ev = evaluator
     space = model_space(ev.graph, ev.region_costs(), ev.gpus, ev.batch_size, gpus_per_node)
     return viable(dataclasses.replace(space, recomputes=(False, True),
-                                      comm_streams=(False, True)), ev)
+                                      comm_streams=(False, True), buckets=BUCKETS_MB), ev)
 
 
 def viable(space: PipelineSpace, evaluator: Evaluator) -> tuple[PipelineSpace, list[str]]:

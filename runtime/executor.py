@@ -20,6 +20,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from piper.capture import Captured, ModelGraph
 from piper.dag import Kind
 from piper.model_file import ModelSpec
+from runtime.buckets import GradBuckets, early_stages
 from runtime.memory import MemoryLedger, SavedTensors
 from runtime.plan import COMPUTE_STREAM, Plan, RankPlan, Task
 from runtime.recompute import recomputing
@@ -157,6 +158,7 @@ class RankExecutor:
             if isinstance(key, tuple):
                 self.optim[key] = spec.make_optimizer(ps)  # type: ignore[index]
         del model  # parameters not on this rank are released here
+        self.buckets, self.arm_at = self._gradient_buckets()
         torch.manual_seed(seed)
         inputs, targets = spec.batch(batch_size)
         per_replica = batch_size // plan.dp
@@ -292,6 +294,27 @@ class RankExecutor:
             if task.stage in self.optim:
                 self._update(task.stage)
 
+    def _gradient_buckets(self) -> tuple[dict[int, GradBuckets], set[tuple[int, int]]]:
+        """Per stage with a bucketed all-reduce (`Replicate(bucket_mb=...)`), its buckets;
+        and the backward tasks (stage, mb) that start them early (`early_stages`): the
+        stage's last B before its AR."""
+        out: dict[int, GradBuckets] = {}
+        arm: set[tuple[int, int]] = set()
+        if not self.plan.bucket_bytes or self.plan.zero or self.plan.dp == 1:
+            return out, arm
+        early = early_stages(self.plan)
+        compute = self.rp.stream(COMPUTE_STREAM)
+        for t in self.rp.tasks:
+            if t.kind is Kind.ALL_REDUCE and not t.values and self.params.get(t.stage):
+                ranks = self.mesh.lift(t.group, self.tp_rank)
+                out[t.stage] = GradBuckets(self.params[t.stage], self.plan.bucket_bytes,
+                                           self.groups[ranks])
+                if t.stage in early:
+                    last = [b for b in compute[:compute.index(t)]
+                            if b.kind is Kind.BWD and b.stage == t.stage]
+                    arm.add((t.stage, last[-1].mb))
+        return out, arm
+
     def _post_recv(self, task: Task) -> list[tuple[Any, torch.Tensor]]:
         out = []
         for k, v in enumerate(task.values):
@@ -384,9 +407,14 @@ class RankExecutor:
         leaves = [x for _, x in saved.acts]
         weights = self.apart[task.stage] + (
             [shard.flat] if shard is not None else self.params[task.stage])
+        armed = (task.stage, task.mb) in self.arm_at
+        if armed:  # the step's last backward of the stage: buckets start as they fill
+            self.buckets[task.stage].arm()
         if roots and leaves + weights:
             # backward(inputs=...) accumulates into .grad in place, as eager training does
             torch.autograd.backward(roots, seeds, inputs=leaves + weights)
+        if armed:
+            self.buckets[task.stage].disarm()
         for name, x in saved.acts:
             g = torch.zeros_like(x) if x.grad is None else x.grad
             x.grad = None
@@ -428,7 +456,12 @@ class RankExecutor:
         self._reduce([self.tied_named[n] for n in task.values], task.group)
 
     def _all_reduce(self, task: Task) -> None:
-        self._reduce(self.params[task.stage], task.group)
+        buckets = self.buckets.get(task.stage)
+        if buckets is None:
+            self._reduce(self.params[task.stage], task.group)
+            return
+        self.streams.keep(p.grad for p in self.params[task.stage] if p.grad is not None)
+        self.streams.keep(buckets.finish())
 
     def _reduce(self, params: list[torch.nn.Parameter], group: tuple[int, ...],
                 lifted: bool = False) -> None:

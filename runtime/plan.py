@@ -76,6 +76,7 @@ class Plan:
     ranks: tuple[RankPlan, ...]
     groups: tuple[tuple[int, ...], ...]  # collective groups, in the order to create them
     zero: int = 0  # ZeRO stage of the data-parallel replicas
+    bucket_bytes: int = 0  # all-reduce buckets of at most this many bytes (0: one per stage)
     ties: tuple[tuple[tuple[str, ...], tuple[int, ...]], ...] = ()  # (params, stages) tied
     sharding: ModelSharding = field(default_factory=ModelSharding)  # tensor / expert parallelism inside chunks
     recompute: tuple[int, ...] = ()  # stages whose backward rebuilds their activations

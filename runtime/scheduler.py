@@ -108,6 +108,7 @@ def schedule(dag: TrainingDAG, *, check: bool = True) -> Plan:
         dp=dag.dp,
         microbatches=dag.microbatches,
         zero=dag.zero,
+        bucket_bytes=dag.bucket_bytes,
         ranks=tuple(ranks),
         groups=tuple(sorted({t.group for rp in ranks for t in rp.tasks if t.group})),
         ties=tuple(ties),

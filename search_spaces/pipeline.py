@@ -1,5 +1,5 @@
-"""dp × pp × tp × ep × ZeRO × microbatches × schedule × recompute × comm stream, stage
-boundaries balanced by cost."""
+"""dp × pp × tp × ep × ZeRO × microbatches × schedule × recompute × comm stream × all-reduce
+bucket size, stage boundaries balanced by cost."""
 
 from __future__ import annotations
 
@@ -30,11 +30,13 @@ def divisors(n: int) -> list[int]:
 SAMPLE_ORDER = (Dimension("schedule", ordinal=False), Dimension("zero", ordinal=False),
                 Dimension("recompute", ordinal=False), Dimension("tp", ordinal=True),
                 Dimension("pp", ordinal=True), Dimension("microbatches", ordinal=True),
-                Dimension("ep", ordinal=True), Dimension("comm_stream", ordinal=True))
+                Dimension("ep", ordinal=True), Dimension("comm_stream", ordinal=True),
+                Dimension("bucket_mb", ordinal=True))
 """The order `sample` asks in: categorical choices first (their values never change), then
-the degrees, each among the values the earlier choices left valid. The comm stream comes
-last and by position: whether it is possible depends on the degrees and the ZeRO stage
-(dp > 1, not ZeRO-3), and a position always lands on a value still valid."""
+the degrees, each among the values the earlier choices left valid. The comm stream and the
+bucket size come last and by position: whether they are possible depends on the degrees and
+the ZeRO stage (dp > 1; not ZeRO-3, resp. ZeRO-0 only), and a position always lands on a
+value still valid."""
 
 
 @dataclass(frozen=True)
@@ -48,7 +50,8 @@ class PipelineSpace(SearchSpace):
     every stage: less memory for about one more forward per backward, so it pays where
     memory, not time, is what rules points out); `comm_streams` whether the data-parallel
     collectives ride a stream of their own, overlapping the compute after them
-    (`schedules.with_comm_stream`).
+    (`schedules.with_comm_stream`); `buckets` the all-reduce bucket sizes in MiB, 0 for one
+    all-reduce per stage (`Replicate.bucket_mb`: buckets start inside the last backward).
     """
 
     regions: tuple[str, ...]
@@ -68,6 +71,8 @@ class PipelineSpace(SearchSpace):
     for it in a real search)."""
     comm_streams: tuple[bool, ...] = (False,)
     """Gradient collectives on the compute stream / on their own (only with dp > 1)."""
+    buckets: tuple[float, ...] = (0,)
+    """All-reduce bucket caps in MiB to try, 0: none (only with dp > 1 and ZeRO-0)."""
 
     def grid(self) -> Mapping[str, Sequence[Any]]:
         pps = [p for p in divisors(self.gpus) if p <= len(self.regions)]
@@ -83,6 +88,8 @@ class PipelineSpace(SearchSpace):
             g["recompute"] = list(self.recomputes)
         if self.comm_streams != (False,):
             g["comm_stream"] = list(self.comm_streams)
+        if self.buckets != (0,):
+            g["bucket_mb"] = list(self.buckets)
         return g
 
     def sample(self, trial: TrialLike) -> dict[str, Any]:
@@ -112,7 +119,7 @@ class PipelineSpace(SearchSpace):
 
     def violation(self, *, pp: int, microbatches: int, schedule: str, zero: int = 0,
                   tp: int = 1, ep: int = 1, recompute: bool = False,
-                  comm_stream: bool = False) -> str | None:
+                  comm_stream: bool = False, bucket_mb: float = 0) -> str | None:
         """Why the point is not a valid strategy, or None; no Program is built (recompute
         runs with everything, so it adds no rule)."""
         m, sched = microbatches, schedule
@@ -134,6 +141,8 @@ class PipelineSpace(SearchSpace):
             return "a comm stream carries data-parallel collectives; dp=1 has none"
         if comm_stream and zero == 3:  # its gradient scatters share a group with the gathers
             return "ZeRO-3's collectives stay on the compute stream (it waits for its gathers)"
+        if bucket_mb and (dp == 1 or zero):
+            return "all-reduce buckets need dp > 1 and ZeRO-0 (ZeRO shards one flat buffer)"
         if sched == "interleaved-1f1b" and m % pp:
             return f"interleaved-1f1b needs microbatches ({m}) divisible by pp={pp}"
         if sched == "dualpipev" and m < 2 * pp:
@@ -149,6 +158,8 @@ class PipelineSpace(SearchSpace):
                                dp=dp, pp=pp, zero=zero,
                                recompute=bool(params.get("recompute", False)))
         prog = schedules.shard(prog, tp=tp, ep=ep, expert_regions=self.expert_regions)
+        if params.get("bucket_mb"):
+            prog = schedules.with_buckets(prog, params["bucket_mb"])
         return schedules.with_comm_stream(prog, zero) if params.get("comm_stream") else prog
 
     def stages(self, n: int) -> list[list[str]]:
@@ -156,7 +167,8 @@ class PipelineSpace(SearchSpace):
 
 
 _NAMES = tuple(d.name for d in SAMPLE_ORDER)
-_DEFAULTS = {"tp": 1, "ep": 1, "zero": 0, "recompute": False, "comm_stream": False}
+_DEFAULTS = {"tp": 1, "ep": 1, "zero": 0, "recompute": False, "comm_stream": False,
+             "bucket_mb": 0}
 """Values of the dimensions a space may leave out of its grid."""
 
 
@@ -189,9 +201,9 @@ def _feasible_tuples(space: PipelineSpace, grid_order: bool = False
 def model_space(graph: ModelGraph, region_costs: tuple[float, ...], gpus: int,
                 batch_size: int, gpus_per_node: int) -> PipelineSpace:
     """Every schedule and ZeRO stage, plus the tensor-parallel degrees the model's TP_PLAN
-    allows within one node and the expert-parallel degrees its experts allow. Recompute and
-    the comm stream are left off (`recomputes`, `comm_streams`); the planner's search adds
-    them (`planner.space`)."""
+    allows within one node and the expert-parallel degrees its experts allow. Recompute, the
+    comm stream and buckets are left off (`recomputes`, `comm_streams`, `buckets`); the
+    planner's search adds them (`planner.space`)."""
     tps = [1]
     if graph.tp_plan:
         targets = plan_targets(graph.tp_plan, dict(graph.linears))

@@ -35,11 +35,20 @@ class Replicate(Directive):
     `runtime.weight_grad`), so the parameters are freed right after I.
 
     ZeRO-2 and -3 act per microbatch, so they compose with any pipeline schedule.
+
+    `bucket_mb` (zero=0 only; DDP's `bucket_cap_mb`): AR(s) moves the stage's gradients as
+    several all-reduces of at most that many MiB, in reverse parameter order. When AR(s) is
+    on the compute stream and the stage's backward is not split, each bucket starts from
+    inside the stage's last backward as soon as its gradients are final, so the all-reduce
+    overlaps the rest of that backward (`runtime.buckets`). None: one all-reduce per stage,
+    after its last backward. ZeRO-1/2/3 shard one flat buffer per stage, which is their
+    bucket (as an FSDP unit is).
     """
 
     degree: int
     _: KW_ONLY
     zero: int = 0
+    bucket_mb: float | None = None
     phase = 3
 
     def apply(self, dag: TrainingDAG, index: int) -> TrainingDAG:
@@ -47,6 +56,14 @@ class Replicate(Directive):
             raise DirectiveError(index, self, "degree must be an int >= 1")
         if self.zero not in (0, 1, 2, 3):
             raise DirectiveError(index, self, f"zero must be 0, 1, 2 or 3, got {self.zero!r}")
+        b = self.bucket_mb
+        if b is not None and (isinstance(b, bool) or not isinstance(b, (int, float))
+                              or not b > 0):
+            raise DirectiveError(index, self, f"bucket_mb must be a number > 0 or None, "
+                                 f"got {b!r}")
+        if b is not None and self.zero:
+            raise DirectiveError(index, self, "bucket_mb applies to zero=0; ZeRO-1/2/3 "
+                                 "shard one flat buffer per stage, which is their bucket")
         if dag.dp != 1 or dag.ordered:
             raise DirectiveError(index, self, "Replicate must come once, before Order")
         g = nx.DiGraph()
@@ -68,7 +85,8 @@ class Replicate(Directive):
                     g.add_edge(ag, n, kind="data")
                 if self.zero in (1, 2) and n.kind is Kind.UPDATE:
                     g.add_edge(n, Node(Kind.ALL_GATHER, n.stage, replica=r), kind="data")
-        return dag.with_graph(g, dp=self.degree, zero=self.zero)
+        bucket = 0 if b is None else max(1, round(b * 2**20))
+        return dag.with_graph(g, dp=self.degree, zero=self.zero, bucket_bytes=bucket)
 
     def _between(self, b: Node) -> list[Node]:
         if self.zero == 0:

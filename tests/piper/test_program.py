@@ -10,6 +10,7 @@ import pytest
 import piper
 from piper import Order, Place, Program, Replicate, Split, schedules
 from piper.dag import TrainingDAG
+from piper.directives.base import from_dict
 from piper.model_file import load_model_file
 
 STAGES = {
@@ -52,9 +53,11 @@ def test_program_round_trips_through_json_and_python(dag0: TrainingDAG, name: st
 def test_directive_python_form_evaluates_to_an_equal_directive() -> None:
     env = {"Place": Place, "Split": Split, "Replicate": Replicate, "Order": Order}
     for d in [Place(("embed", "layer.*"), stage=1, device=2), Place("head", stage=0, device=0),
-              Split(8), Replicate(4), Order(3, "F3.0 B3.0")]:
+              Split(8), Replicate(4), Replicate(2, bucket_mb=25), Order(3, "F3.0 B3.0")]:
         assert eval(d.to_python(), env) == d
+        assert from_dict(json.loads(json.dumps(d.to_dict()))) == d
     assert Replicate(4).to_python() == "Replicate(4)"  # default zero is left out
+    assert Replicate(4, bucket_mb=0.5).to_python() == "Replicate(4, bucket_mb=0.5)"
 
 
 def test_to_python_header_lines_become_comments() -> None:
@@ -152,7 +155,7 @@ def test_summary_of_1f1b_gives_its_degrees_and_schedule() -> None:
     s = schedules.one_f_one_b(STAGES[2], microbatches=4, dp=2).summary()
     assert s == {"dp": 2, "pp": 2, "tp": 1, "ep": 1, "zero": 0, "schedule": "1f1b",
                  "virtual_stages": 1, "microbatches": 4, "recompute": False,
-                 "comm_stream": False}
+                 "comm_stream": False, "bucket_mb": None}
 
 
 def test_summary_of_gpipe_on_four_devices_without_replication() -> None:

@@ -48,6 +48,17 @@ CASES = {
     "dp2_comm_stream": ["--gpus", "2", "--dp", "2", "--microbatches", "2", "--comm-stream"],
     "pp2_dp2_zero2_comm_stream": ["--gpus", "4", "--pp", "2", "--dp", "2", "--zero", "2",
                                   "--microbatches", "4", "--comm-stream"],
+    # DDP-style buckets (1 KiB: several per stage), started inside the last backward; on a
+    # comm stream or with a split backward they start at the all-reduce instead
+    "dp2_buckets": ["--gpus", "2", "--dp", "2", "--microbatches", "2", "--bucket-mb", "0.001"],
+    "pp2_dp2_buckets_comm_stream": ["--gpus", "4", "--pp", "2", "--dp", "2",
+                                    "--microbatches", "4", "--bucket-mb", "0.001",
+                                    "--comm-stream"],
+    "pp2_dp2_buckets_interleaved": ["--gpus", "4", "--pp", "2", "--dp", "2", "--schedule",
+                                    "interleaved-1f1b", "--virtual-stages", "2",
+                                    "--microbatches", "2", "--bucket-mb", "0.001"],
+    "tied_pp2_dp2_buckets_zb1p": ["--gpus", "4", "--pp", "2", "--dp", "2", "--schedule",
+                                  "zb1p", "--microbatches", "4", "--bucket-mb", "0.001"],
     "tied_pp2_1f1b": ["--gpus", "2", "--pp", "2", "--microbatches", "4"],
     "tied_pp2_dp2_zero3": ["--gpus", "4", "--pp", "2", "--dp", "2", "--zero", "3",
                            "--microbatches", "2"],
@@ -99,6 +110,7 @@ OTHER_MODEL = {
     "tied_pp2_dp2_zero3": [GPT, *TINY, "--model-arg", "tie=true"],
     "tied_pp2_interleaved": [GPT, *TINY, "--model-arg", "tie=true"],
     "tied_pp2_dp2_zero3_dualpipev": [GPT, *TINY, "--model-arg", "tie=true"],
+    "tied_pp2_dp2_buckets_zb1p": [GPT, *TINY, "--model-arg", "tie=true"],
     "skip_pp4": [str(ROOT / "tests" / "models" / "skip_mlp.py")],
 }
 

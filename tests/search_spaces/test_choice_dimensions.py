@@ -1,5 +1,6 @@
-"""Recompute and the comm stream as search dimensions: off by default (the space is as
-before), categorical choices when asked for, in every sample and every Program it names."""
+"""Recompute, the comm stream and all-reduce buckets as search dimensions: off by default
+(the space is as before), choices when asked for, in every sample and every Program it
+names."""
 
 from __future__ import annotations
 
@@ -98,3 +99,32 @@ def test_samples_choose_both_ways_and_map_back(dim: str) -> None:
         assert prog.summary()[dim] == point[dim]
         study.tell(trial, 0.0)
     assert seen == {False, True}
+
+
+def test_buckets_apply_to_data_parallel_all_reduces_only(dag0: TrainingDAG) -> None:
+    off, sp = space(), space(buckets=(0, 25))
+    assert "bucket_mb" not in off.grid() and "bucket_mb_quantile" not in off.parameters()
+    assert sp.grid()["bucket_mb"] == [0, 25] and sp.parameters()["bucket_mb_quantile"] is None
+    points = sp.points()
+    assert [{k: v for k, v in p.items() if k != "bucket_mb"} for p in points
+            if not p["bucket_mb"]] == off.points()
+    # ZeRO-1/2/3 shard one flat buffer per stage: only plain data parallelism buckets
+    applies = [p for p in off.points() if dp_of(p) > 1 and p["zero"] == 0]
+    assert 0 < len(applies) and len(points) == len(off.points()) + len(applies)
+    for point in points:
+        prog = sp.program(**point)
+        assert prog.summary()["bucket_mb"] == (point["bucket_mb"] or None)
+        assert prog.apply(dag0).bucket_bytes == point["bucket_mb"] * 2**20
+
+
+def test_bucket_samples_choose_both_ways_and_map_back() -> None:
+    sp = space(buckets=(0, 25))
+    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))
+    seen = set()
+    for _ in range(48):
+        trial = study.ask()
+        point = sp.sample(trial)
+        assert sp.sample(optuna.trial.FixedTrial(sp.params_of(point))) == point
+        seen.add(point["bucket_mb"])
+        study.tell(trial, 0.0)
+    assert seen == {0, 25}

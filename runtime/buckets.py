@@ -1,0 +1,101 @@
+"""Gradient buckets: one stage's data-parallel all-reduce as several smaller ones, started
+while the backward that finishes the gradients still runs (DDP's bucketing).
+
+Buckets take the parameters in reverse order (backward finishes the last layers' gradients
+first) up to a byte cap; a parameter larger than the cap is a bucket of its own. Armed for
+the stage's last backward of the step, a post-accumulate-grad hook counts each parameter's
+final gradient; a bucket whose gradients are all final is flattened and all-reduced
+asynchronously, in bucket order (every replica must issue the group's collectives in one
+order). `finish` starts what backward did not (unused parameters, or not armed at all),
+waits, and puts the summed gradients back.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from piper.dag import Kind
+from runtime.plan import COMPUTE_STREAM, Plan
+
+
+def bucket_indices(nbytes: list[int], cap: int) -> list[list[int]]:
+    """Parameter indices per bucket: reverse order, each bucket at most `cap` bytes (or one
+    parameter)."""
+    out: list[list[int]] = []
+    size = 0
+    for i in reversed(range(len(nbytes))):
+        if out and size + nbytes[i] <= cap:
+            out[-1].append(i)
+            size += nbytes[i]
+        else:
+            out.append([i])
+            size = nbytes[i]
+    return out
+
+
+def early_stages(plan: Plan) -> frozenset[int]:
+    """Stages whose buckets start inside their last backward: bucketed, the all-reduce on
+    the compute stream (the hooks fire on that thread, so the group's collectives keep one
+    order on every replica) and the backward not split (W, not autograd, makes the weight
+    gradients)."""
+    if not plan.bucket_bytes or plan.zero or plan.dp == 1:
+        return frozenset()
+    split = {t.stage for rp in plan.ranks for t in rp.tasks if t.kind is Kind.BWD_I}
+    return frozenset(t.stage for rp in plan.ranks for t in rp.stream(COMPUTE_STREAM)
+                     if t.kind is Kind.ALL_REDUCE and not t.values and t.stage not in split)
+
+
+class GradBuckets:
+    """The bucketed all-reduce of one stage's gradients over its data-parallel group."""
+
+    def __init__(self, params: list[torch.nn.Parameter], cap: int, group: Any) -> None:
+        self.params, self.group = params, group
+        self.buckets = bucket_indices([p.numel() * p.element_size() for p in params], cap)
+        self._bucket_of = {i: b for b, idx in enumerate(self.buckets) for i in idx}
+        self._missing: list[int] = []
+        self._handles: list[Any] = []
+        self._works: list[tuple[Any, torch.Tensor, list[torch.Tensor]]] = []
+
+    def arm(self) -> None:
+        """Start buckets from the coming backward as their gradients become final."""
+        self._missing = [len(idx) for idx in self.buckets]
+        self._handles = [p.register_post_accumulate_grad_hook(self._hook(i))
+                         for i, p in enumerate(self.params)]
+
+    def disarm(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+    def _hook(self, i: int) -> Any:
+        def ready(_p: torch.Tensor) -> None:
+            self._missing[self._bucket_of[i]] -= 1
+            while (len(self._works) < len(self.buckets)
+                   and self._missing[len(self._works)] == 0):
+                self._start(len(self._works))
+        return ready
+
+    def _start(self, b: int) -> None:
+        ps = [self.params[i] for i in self.buckets[b]]
+        gs = [p.grad if p.grad is not None else torch.zeros_like(p) for p in ps]
+        flat = _flatten_dense_tensors(gs)
+        self._works.append((dist.all_reduce(flat, group=self.group, async_op=True), flat, gs))
+
+    def finish(self) -> list[torch.Tensor]:
+        """Start the remaining buckets, wait for all, set each parameter's `.grad` to the
+        sum; returns the gradients (a CUDA caller keeps them for its streams)."""
+        self.disarm()
+        while len(self._works) < len(self.buckets):
+            self._start(len(self._works))
+        out = []
+        for b, (work, flat, gs) in enumerate(self._works):
+            work.wait()
+            for i, g in zip(self.buckets[b], _unflatten_dense_tensors(flat, gs), strict=True):
+                self.params[i].grad = g
+                out.append(g)
+        self._works = []
+        return out

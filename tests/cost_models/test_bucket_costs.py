@@ -1,0 +1,88 @@
+"""Bucketed all-reduce prices: one collective per bucket; started inside the last backward,
+only what outlasts that backward is left for the AR task."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+
+import piper
+from cost_models import ClusterSpec, ModelCosts, simulate, task_costs
+from cost_models.comm import ring_all_reduce_time
+from piper import schedules
+from piper.dag import Kind
+from runtime.plan import Plan
+from runtime.scheduler import schedule
+from tests.cost_models.conftest import STAGES
+
+
+@pytest.fixture(scope="module")
+def bucketed(captured: piper.Captured) -> Callable[..., Plan]:
+    dag0 = piper.single_device_dag(captured.graph)
+
+    def build(bucket_mb: float | None, *, comm_stream: bool = False, name: str = "1f1b"
+              ) -> Plan:
+        prog = schedules.build(name, STAGES[2], microbatches=4, dp=2)
+        prog = schedules.with_buckets(prog, bucket_mb)
+        return schedule((schedules.with_comm_stream(prog) if comm_stream else prog).apply(dag0))
+    return build
+
+
+def _ar(plan: Plan, rank: int = 0):
+    return next(t for t in plan.ranks[rank].tasks if t.kind is Kind.ALL_REDUCE)
+
+
+def _cluster(ideal_cluster: Callable[..., ClusterSpec], latency: float) -> ClusterSpec:
+    return ideal_cluster(flops=1e9, intra_node_bandwidth=1e7, intra_node_latency=latency)
+
+
+def test_late_buckets_cost_one_collective_each(bucketed, costs: ModelCosts, ideal_cluster):
+    c = _cluster(ideal_cluster, 1e-4)
+    plan = bucketed(0.01, comm_stream=True)  # on a comm stream: started at the AR
+    assert plan.bucket_bytes == round(0.01 * 2**20)
+    tc = task_costs(plan, costs, c, microbatch_size=4)
+    assert tc.early_buckets == frozenset()
+    total = tc.gradient_bytes[0]
+    k = -(-total // plan.bucket_bytes)
+    assert k > 2
+
+    def ring(n: float) -> float:
+        return ring_all_reduce_time(n, 2, latency=1e-4, bandwidth=1e7)
+    expect = (k - 1) * ring(plan.bucket_bytes) + ring(total - (k - 1) * plan.bucket_bytes)
+    assert tc.duration(0, _ar(plan)) == pytest.approx(expect)
+    assert tc.duration(0, _ar(plan)) > ring(total)  # k latencies instead of one
+
+
+def test_early_buckets_leave_only_what_outlasts_the_backward(bucketed, costs: ModelCosts,
+                                                             ideal_cluster):
+    plan = bucketed(0.01)
+    c = _cluster(ideal_cluster, 0.0)
+    tc = task_costs(plan, costs, c, microbatch_size=4)
+    assert tc.early_buckets == frozenset({0, 1})
+    total, cap = tc.gradient_bytes[0], plan.bucket_bytes
+    last = total - (-(-total // cap) - 1) * cap
+    back = tc.backward_s[0]
+    whole = ring_all_reduce_time(total, 2, latency=0.0, bandwidth=1e7)
+    # communication slower than backward: the channel is the bottleneck after bucket 0
+    # starts (at back * cap / total); what remains after backward is the rest of it
+    assert whole > back
+    assert tc.duration(0, _ar(plan)) == pytest.approx(back * cap / total + whole - back)
+    # communication much faster than backward: only the last bucket is left
+    fast = ideal_cluster(flops=1e3, intra_node_bandwidth=1e7, intra_node_latency=0.0)
+    tc = task_costs(plan, costs, fast, microbatch_size=4)
+    assert tc.duration(0, _ar(plan)) == pytest.approx(
+        ring_all_reduce_time(last, 2, latency=0.0, bandwidth=1e7))
+
+
+def test_split_backward_starts_buckets_at_the_all_reduce(bucketed, costs, ideal_cluster):
+    plan = bucketed(0.01, name="zb1p")
+    assert task_costs(plan, costs, _cluster(ideal_cluster, 0.0), 4).early_buckets == frozenset()
+
+
+def test_early_buckets_shorten_a_communication_bound_step(bucketed, costs: ModelCosts,
+                                                          ideal_cluster):
+    c = _cluster(ideal_cluster, 1e-6)
+    one = simulate(bucketed(None), costs, c, microbatch_size=4).step_time_s
+    early = simulate(bucketed(0.01), costs, c, microbatch_size=4).step_time_s
+    assert early < one

@@ -10,7 +10,6 @@ parallelism and activation recompute to any of them.
 from __future__ import annotations
 
 import dataclasses
-
 from collections.abc import Callable, Sequence
 
 from piper.directives import (

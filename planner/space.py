@@ -18,7 +18,6 @@ from planner.evaluate import Evaluator
 from search_spaces import Infeasible
 from search_spaces.pipeline import PipelineSpace, model_space
 
-
 BUCKETS_MB = (0, 25, 100)
 """All-reduce bucket caps tried (MiB; 0: one per stage): DDP's default and a coarser one."""
 

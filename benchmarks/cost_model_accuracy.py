@@ -1,6 +1,6 @@
 """How well does `simulate` with a profiled cluster predict real `run` step times? (issue 4)
 
-    python benchmarks/cost_model_accuracy.py --gpus 4 --rounds 2 --steps 6
+    python benchmarks/cost_model_accuracy.py --gpus 4 --rounds 2 --steps 6 [--size mini]
 
 Profiles this machine (`piper-plan profile`'s library path: real Ray actors, gloo), then for
 each strategy of the tiny GPT (pp / dp / ZeRO / schedule / microbatch variations) compares
@@ -37,7 +37,6 @@ from runtime.profiling import measure
 from search_spaces.partition import balanced_stages
 
 MODEL = str(ROOT / "examples" / "gpt.py")
-ARGS = (("size", "tiny"),)
 BATCH = 32
 
 
@@ -89,12 +88,15 @@ def main() -> None:
     p.add_argument("--gpus", type=int, default=4)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--size", default="tiny", help="examples/gpt.py size (tiny: steps of "
+                   "tens of ms, mostly runtime overhead; mini: hundreds of ms, mostly compute)")
+    p.add_argument("--batch", type=int, default=BATCH, help="global batch")
     p.add_argument("--cluster", help="a profiled cluster TOML to reuse (default: profile now)")
     p.add_argument("--out", default="cost_model_accuracy", help="folder for cluster + json")
     a = p.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    spec = load_model_file(MODEL, ARGS)
+    spec = load_model_file(MODEL, (("size", a.size),))
     ensure_ray()
     if a.cluster:
         cluster = load_cluster(a.cluster)
@@ -105,7 +107,7 @@ def main() -> None:
         (out / "cluster.toml").write_text(to_toml(cluster))
         print(f"profiled in {time.perf_counter() - t0:.1f} s; fit errors: {report.line()}",
               flush=True)
-    ev = Evaluator(spec, a.gpus, BATCH, cluster)
+    ev = Evaluator(spec, a.gpus, a.batch, cluster)
     rows = []
     for s in STRATEGIES:
         prog = program(s, ev)
@@ -117,9 +119,9 @@ def main() -> None:
         for row in rows:
             if row.get("failed"):
                 continue
-            plan = lower(spec, row["program"], a.gpus, BATCH)
+            plan = lower(spec, row["program"], a.gpus, a.batch)
             try:
-                res = run(spec, plan, batch_size=BATCH, steps=a.steps, seed=0)
+                res = run(spec, plan, batch_size=a.batch, steps=a.steps, seed=0)
             except RuntimeFailure as e:  # reported, and left out of the figures
                 row["failed"] = str(e).split(";")[0]
                 print(f"round {k}: {row['strategy']:<36} FAILED: {row['failed']}", flush=True)

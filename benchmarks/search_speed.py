@@ -2,7 +2,8 @@
 
     python benchmarks/search_speed.py speed             # the two timed commands + a profile
     python benchmarks/search_speed.py quality --seeds 5  # default search against exhaustive
-    python benchmarks/search_speed.py quality --full-space  # ... with recompute, comm stream
+    python benchmarks/search_speed.py quality --full-space  # ... with recompute, comm
+                                                            # stream, all-reduce buckets
 
 speed: runs the CLI as a subprocess (the whole command: interpreter start, imports, capture,
 search, outputs), wall and CPU seconds of the child:
@@ -155,6 +156,7 @@ def quality(seeds: int, only: str | None, full: bool = False) -> None:
     from planner.cache import EvaluationCache
     from planner.evaluate import Evaluator
     from planner.search import run_search
+    from planner.space import BUCKETS_MB
     from search_spaces.pipeline import model_space
 
     cluster = CATALOG["h100-80gb"]
@@ -165,9 +167,9 @@ def quality(seeds: int, only: str | None, full: bool = False) -> None:
         batch = batch or spec.batch_size
         ev = Evaluator(spec, gpus, batch, cluster, cache=EvaluationCache(size=1 << 16))
         space = model_space(ev.graph, ev.region_costs(), gpus, batch, cluster.gpus_per_node)
-        if full:  # the space `piper-plan search` walks: recompute and comm stream as choices
+        if full:  # the space `piper-plan search` walks: recompute, comm stream, buckets
             space = dataclasses.replace(space, recomputes=(False, True),
-                                        comm_streams=(False, True))
+                                        comm_streams=(False, True), buckets=BUCKETS_MB)
         n = len(space.points())
         with tempfile.TemporaryDirectory() as tmp:
             def search(sampler: str, trials: int, seed: int, ev: Any = ev,

@@ -124,6 +124,10 @@ class Invertible(Protocol):
     def points(self) -> list[dict[str, Any]]: ...
 
 
+RIDERS = frozenset({"microbatches", "comm_stream"})
+"""Choices a neighbour may change besides its one move (`DistinctSampler._neighbour`)."""
+
+
 class DistinctSampler(optuna.samplers.BaseSampler):
     """`base`, except that it proposes only points the study has not scored yet and that
     are `admissible` (fit in memory, by formula).
@@ -141,6 +145,8 @@ class DistinctSampler(optuna.samplers.BaseSampler):
     POLISH = 0.25
     """The last quarter of a run's trials try the unseen neighbours of the best point so far
     (one choice changed): the model finds the right region, this settles the details."""
+    TIE = 0.005
+    """Points this close to the fastest count as equally fastest for the polish."""
 
     def __init__(self, base: optuna.samplers.BaseSampler, space: Invertible,
                  seed: int | None = None, trials: int | None = None,
@@ -222,16 +228,26 @@ class DistinctSampler(optuna.samplers.BaseSampler):
         return next((p for p in order if self._ok(p)), None)
 
     def _neighbour(self, study: optuna.Study, seen: set[tuple]) -> dict[str, Any] | None:
-        """An unseen point one choice away from the fastest point that fits (or from the
-        next fastest, if all of its neighbours are seen). A degree may move with the
-        microbatch count, which the replica's share of the batch ties to it."""
+        """An unseen point one choice away from the fastest points that fit: those within
+        `TIE` of the fastest, which are often many (a plateau of equally good strategies),
+        any of which may be the one next to a better point; then, if all of their neighbours
+        are seen, the next fastest. The choices in `RIDERS` may move along: the microbatch
+        count (the replica's share of the batch ties it to the degrees) and the comm stream
+        (the other way to hide the gradient collectives, which the ZeRO stage and dp decide
+        between: on GPT-1B x16 the optimum is ZeRO-0 with bucketed all-reduces on the
+        compute stream, two moves from ZeRO-1 on a comm stream, and neither move alone is
+        faster)."""
         fits = sorted((t.values[0], t.number, t.user_attrs["point"])
                       for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
                       if "point" in t.user_attrs and all(c <= 0 for c in t.constraints.values()))
-        for _, _, best in fits:
+        if not fits:
+            return None
+        top = [p for t, _, p in fits if t <= fits[0][0] * (1 + self.TIE)]
+        tiers = [top, *([p] for _, _, p in fits[len(top):])]
+        for sources in tiers:
             near = [p for p in self._points if _key(p) not in seen
-                    and len({k for k in p.keys() | best.keys()
-                             if p.get(k) != best.get(k)} - {"microbatches"}) <= 1]
+                    and any(len({k for k in p.keys() | b.keys() if p.get(k) != b.get(k)}
+                                - RIDERS) <= 1 for b in sources)]
             point = self._first_ok(near)
             if point is not None:
                 return point

@@ -50,6 +50,11 @@ class SearchSpace(abc.ABC):
         cheaper than building the Program)."""
         self.program(**params)
 
+    def variants(self, point: dict[str, Any]) -> list[dict[str, Any]]:
+        """`point` and the points that differ from it only in choices a search settles per
+        point, by scoring each, rather than by sampling (none here)."""
+        return [point]
+
     def points(self) -> list[dict[str, Any]]:
         """Every feasible point, in grid order (what `--sampler grid` walks)."""
         grid = self.grid()

@@ -246,3 +246,32 @@ def test_every_sampler_searches_valid_points(sampler, tmp_path):
                      progress=False)
     assert res.best is not None and res.trials + res.pruned_trials == 8
     assert res.failed_trials == 0
+
+
+def test_score_keeps_the_fastest_bucket_size_of_a_point():
+    """Bucket sizes are scored per point (`PipelineSpace.variants`), not sampled: the
+    trial keeps the sampled point and gets the fastest variant's Program and prediction."""
+    import dataclasses
+
+    from cost_models import CATALOG
+    from piper.model_file import load_model_file
+    from planner.evaluate import Evaluator
+    from planner.search import score
+    from planner.space import search_space
+
+    # a slow network: an all-reduce started inside the last backward saves real time
+    cluster = dataclasses.replace(CATALOG["h100-80gb"], intra_node_bandwidth=1e8)
+    ev = Evaluator(load_model_file(GPT, (("size", "tiny"),)), 4, 32, cluster)
+    space, _ = search_space(ev, 8)
+    point = {"pp": 1, "microbatches": 2, "schedule": "1f1b", "zero": 0, "recompute": False,
+             "comm_stream": False}
+    variants = space.variants(point)
+    assert [v.get("bucket_mb", 0) for v in variants] == [0, 25, 100]
+    times = [ev.evaluate(space.program(**v)).prediction.step_time_s for v in variants]
+    s = score(ev, space, point)
+    assert s.point == point
+    assert s.predicted["step_time_s"] == min(times)
+    fastest = variants[times.index(min(times))]
+    assert s.summary["bucket_mb"] == (fastest.get("bucket_mb") or None)
+    # a ZeRO point has no bucket variants
+    assert space.variants({**point, "zero": 1}) == [{**point, "zero": 1}]

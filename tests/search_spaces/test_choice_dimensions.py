@@ -101,30 +101,19 @@ def test_samples_choose_both_ways_and_map_back(dim: str) -> None:
     assert seen == {False, True}
 
 
-def test_buckets_apply_to_data_parallel_all_reduces_only(dag0: TrainingDAG) -> None:
+def test_bucket_sizes_are_variants_of_data_parallel_zero0_points(dag0: TrainingDAG) -> None:
     off, sp = space(), space(buckets=(0, 25))
-    assert "bucket_mb" not in off.grid() and "bucket_mb_quantile" not in off.parameters()
-    assert sp.grid()["bucket_mb"] == [0, 25] and sp.parameters()["bucket_mb_quantile"] is None
-    points = sp.points()
-    assert [{k: v for k, v in p.items() if k != "bucket_mb"} for p in points
-            if not p["bucket_mb"]] == off.points()
-    # ZeRO-1/2/3 shard one flat buffer per stage: only plain data parallelism buckets
-    applies = [p for p in off.points() if dp_of(p) > 1 and p["zero"] == 0]
-    assert 0 < len(applies) and len(points) == len(off.points()) + len(applies)
-    for point in points:
-        prog = sp.program(**point)
-        assert prog.summary()["bucket_mb"] == (point["bucket_mb"] or None)
-        assert prog.apply(dag0).bucket_bytes == point["bucket_mb"] * 2**20
-
-
-def test_bucket_samples_choose_both_ways_and_map_back() -> None:
-    sp = space(buckets=(0, 25))
-    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))
-    seen = set()
-    for _ in range(48):
-        trial = study.ask()
-        point = sp.sample(trial)
-        assert sp.sample(optuna.trial.FixedTrial(sp.params_of(point))) == point
-        seen.add(point["bucket_mb"])
-        study.tell(trial, 0.0)
-    assert seen == {0, 25}
+    assert sp.grid() == off.grid() and sp.points() == off.points()  # scored, not sampled
+    variants = 0
+    for point in sp.points():
+        vs = sp.variants(point)
+        assert vs[0] == point
+        # ZeRO-1/2/3 shard one flat buffer per stage: only plain data parallelism buckets
+        applies = dp_of(point) > 1 and point["zero"] == 0
+        assert [v.get("bucket_mb", 0) for v in vs] == ([0, 25] if applies else [0])
+        for v in vs[1:]:
+            prog = sp.program(**v)
+            assert prog.summary()["bucket_mb"] == 25
+            assert prog.apply(dag0).bucket_bytes == 25 * 2**20
+            variants += 1
+    assert variants > 0

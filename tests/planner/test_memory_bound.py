@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import optuna
 import pytest
 
 from cost_models import CATALOG
@@ -51,7 +52,12 @@ def test_points_that_cannot_fit_are_never_simulated(sampler, tmp_path, capsys):
     res = run_search(ev, space, trials=30, timeout=None, sampler=sampler,
                      storage=f"sqlite:///{tmp_path}/s.db", study_name="s", seed=0,
                      progress=False)
-    assert len(simulated) == res.trials and all(r.feasible for r in res.records)
+    # each trial simulates its point's variants (bucket sizes), nothing else
+    study = optuna.load_study(study_name="s", storage=f"sqlite:///{tmp_path}/s.db")
+    points = [t.user_attrs["point"] for t in study.trials
+              if t.state == optuna.trial.TrialState.COMPLETE]
+    assert len(points) == res.trials and all(r.feasible for r in res.records)
+    assert len(simulated) == sum(len(space.variants(p)) for p in points)
     if sampler == "grid":  # the grid walks every point: those that cannot fit are pruned
         assert res.pruned_trials > 0
     else:  # the sampler passes them over: every trial is spent on one that fits

@@ -40,7 +40,9 @@ from runtime.launcher import RuntimeFailure, _free_port, ensure_ray
 class ProbePlan:
     """What to time: message sizes (bytes), group sizes, microbatch sizes, repetitions."""
 
-    message_bytes: tuple[int, ...] = (2**12, 2**14, 2**16, 2**18, 2**20)
+    message_bytes: tuple[int, ...] = (2**12, 2**14, 2**16, 2**18, 2**20, 2**22, 2**24)
+    """Up to 16 MiB: a stage's gradients are megabytes even for small models, and a
+    bandwidth fitted on kilobytes alone mispriced them by up to 5x (gloo on CPU)."""
     microbatch_sizes: tuple[int, ...] = (1, 4)
     reps: int = 4
     rounds: int = 3
@@ -131,12 +133,13 @@ def measure(spec: ModelSpec, *, gpus: int, device: str, plan: ProbePlan | None =
 
 
 RUN_STEPS = 4
+RUN_MICROBATCH = 4
 """Steps of the short real run; only the last one's timeline is used."""
 
 
 def short_run(spec: ModelSpec, gpus: int, device: str, timeout_s: float) -> RunSample:
     """A few real steps of 1F1B over two stages where the model and `gpus` allow (data
-    parallel for the rest, microbatches of one sample), for what only the runtime adds to
+    parallel for the rest), for what only the runtime adds to
     the probes' figures (`cost_models.calibrate`): time between tasks, and how much slower
     compute runs among the step's other work than alone."""
     from piper import schedules
@@ -149,11 +152,14 @@ def short_run(spec: ModelSpec, gpus: int, device: str, timeout_s: float) -> RunS
     cut = balanced_stages([1.0] * len(names), pp)
     program = schedules.one_f_one_b([[names[i] for i in r] for r in cut],
                                     microbatches=2 * pp, dp=dp)
-    batch = 2 * pp * dp
+    # microbatches as the model file's batch gives them (at most RUN_MICROBATCH samples):
+    # how much slower compute runs among the step's other work depends on its size
+    mb = max(1, min(RUN_MICROBATCH, spec.batch_size // (2 * pp * dp)))
+    batch = mb * 2 * pp * dp
     plan = lower(spec, program, gpus, batch)
     res = run(spec, plan, batch_size=batch, steps=RUN_STEPS, seed=0, device=device,
               timeout_s=timeout_s)
-    return RunSample(plan, 1, res.spans)
+    return RunSample(plan, mb, res.spans)
 
 
 def effective_cores(sharing: list[tuple[list[float], list[float]]]) -> float:

@@ -116,10 +116,10 @@ class PipelineSpace(SearchSpace):
 
         A bucket size changes only the price of the all-reduce after a stage's last
         backward (how much of it hides under that backward), and only where dp > 1 meets
-        ZeRO-0; as a sampled dimension it spread TPE's trials thin (GPT-1B x16: within 1%
-        of the grid's optimum in 2 of 5 seeds, from 5 of 5 without it). So a search scores
-        every size for each point it samples and keeps the fastest (`planner.search.score`),
-        and the grid's optimum is over the whole product all the same."""
+        ZeRO-0; as a sampled dimension it spread TPE's trials thin (GPT-1B x16: 2 of 5
+        seeds within 1% of the grid's optimum; BENCHMARKS.md). So a search scores every
+        size for each point it samples and keeps the fastest (`planner.search.score`), and
+        the grid's optimum is over the whole product all the same."""
         out = [point]
         for b in self.buckets:
             other = {**point, "bucket_mb": b}

@@ -37,12 +37,17 @@ def bucket_indices(nbytes: list[int], cap: int) -> list[list[int]]:
     return out
 
 
+def bucketed(plan: Plan) -> bool:
+    """Whether `plan`'s stage all-reduces run in buckets (ZeRO-0 replicas with a cap)."""
+    return bool(plan.bucket_bytes) and not plan.zero and plan.dp > 1
+
+
 def early_stages(plan: Plan) -> frozenset[int]:
     """Stages whose buckets start inside their last backward: bucketed, the all-reduce on
     the compute stream (the hooks fire on that thread, so the group's collectives keep one
     order on every replica) and the backward not split (W, not autograd, makes the weight
     gradients)."""
-    if not plan.bucket_bytes or plan.zero or plan.dp == 1:
+    if not bucketed(plan):
         return frozenset()
     split = {t.stage for rp in plan.ranks for t in rp.tasks if t.kind is Kind.BWD_I}
     return frozenset(t.stage for rp in plan.ranks for t in rp.stream(COMPUTE_STREAM)

@@ -20,7 +20,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from piper.capture import Captured, ModelGraph
 from piper.dag import Kind
 from piper.model_file import ModelSpec
-from runtime.buckets import GradBuckets, early_stages
+from runtime.buckets import GradBuckets, bucketed, early_stages
 from runtime.memory import MemoryLedger, SavedTensors
 from runtime.plan import COMPUTE_STREAM, Plan, RankPlan, Task
 from runtime.recompute import recomputing
@@ -300,7 +300,7 @@ class RankExecutor:
         stage's last B before its AR."""
         out: dict[int, GradBuckets] = {}
         arm: set[tuple[int, int]] = set()
-        if not self.plan.bucket_bytes or self.plan.zero or self.plan.dp == 1:
+        if not bucketed(self.plan):
             return out, arm
         early = early_stages(self.plan)
         compute = self.rp.stream(COMPUTE_STREAM)

@@ -6,13 +6,12 @@ starts."""
 
 from __future__ import annotations
 
-import socket
-
 import pytest
 import torch
 import torch.distributed as dist
 
 from runtime.buckets import GradBuckets, bucket_indices
+from runtime.launcher import _free_port
 
 
 def test_buckets_take_parameters_in_reverse_order_up_to_the_cap():
@@ -26,10 +25,7 @@ def test_buckets_take_parameters_in_reverse_order_up_to_the_cap():
 def group():
     if dist.is_initialized():
         pytest.skip("a process group is already set up in this process")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0,
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0,
                             world_size=1)
     try:
         yield dist.group.WORLD

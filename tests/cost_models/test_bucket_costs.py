@@ -7,25 +7,19 @@ from collections.abc import Callable
 
 import pytest
 
-import piper
 from cost_models import ClusterSpec, ModelCosts, simulate, task_costs
 from cost_models.comm import ring_all_reduce_time
-from piper import schedules
 from piper.dag import Kind
 from runtime.plan import Plan
-from runtime.scheduler import schedule
-from tests.cost_models.conftest import STAGES
 
 
 @pytest.fixture(scope="module")
-def bucketed(captured: piper.Captured) -> Callable[..., Plan]:
-    dag0 = piper.single_device_dag(captured.graph)
-
+def bucketed(make_plan: Callable[..., Plan]) -> Callable[..., Plan]:
+    """pp2 x dp2, 4 microbatches, with `bucket_mb` buckets (None: one all-reduce)."""
     def build(bucket_mb: float | None, *, comm_stream: bool = False, name: str = "1f1b"
               ) -> Plan:
-        prog = schedules.build(name, STAGES[2], microbatches=4, dp=2)
-        prog = schedules.with_buckets(prog, bucket_mb)
-        return schedule((schedules.with_comm_stream(prog) if comm_stream else prog).apply(dag0))
+        return make_plan(name, pp=2, microbatches=4, dp=2, bucket_mb=bucket_mb,
+                         comm_stream=comm_stream)
     return build
 
 

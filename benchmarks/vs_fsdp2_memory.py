@@ -62,11 +62,9 @@ def _tensors(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
 def _ours(rank: int, plan: Plan, batch: int, ledger: TensorLedger
           ) -> tuple[Callable[[], dict[str, Any]], Callable[[], None]]:
     from runtime.executor import RankExecutor
+    from runtime.worker import process_groups
 
-    mesh = plan.mesh  # the process groups a Ray worker makes (runtime/worker.py), tp = 1
-    groups: dict[Any, Any] = {g: dist.new_group(list(g)) for g in mesh.groups(plan.groups)}
-    groups.update({("p2p", a, b): dist.new_group(sorted((a, b)))
-                   for a, b in mesh.p2p_pairs(plan.p2p_pairs())})
+    groups = process_groups(plan)  # the process groups a Ray worker makes, tp = 1
     spec = load_model_file(GPT, MODEL_ARGS)
     captured = capture(spec, batch // (plan.dp * plan.microbatches))  # meta: outside the ruler
     with ledger:

@@ -1,14 +1,16 @@
 """Contention: how much longer a compute task takes because of what runs beside it.
 
-Two effects, each priced by one `ClusterSpec` figure:
+Three effects, the first two each priced by one `ClusterSpec` figure:
 
 - `cores_per_node`: CPU ranks of one node share its cores. While k compute tasks of the node's
   ranks run at once, each gets min(1, cores / k) of its speed (processor sharing).
 - `comm_compute_contention` (c): a compute task slows by c over the share of its time that a
   collective of its own rank runs on another stream (copies and reduction kernels take part
   of the device).
+- Without `cores_per_node` (one accelerator per rank), compute tasks of one rank that run at
+  once (a forward beside its paired backward) share the device the same way.
 
-Both depend on the timeline, which depends on the stretched durations, so `timeline` iterates
+All depend on the timeline, which depends on the stretched durations, so `timeline` iterates
 timeline -> stretch factors -> timeline to a fixed point (damped; a few rounds suffice).
 """
 
@@ -36,7 +38,7 @@ def timeline(plan: Plan, duration: Callable[[int, Task], float],
              transfer: Callable[[int, Task], float], cluster: ClusterSpec) -> list[Span]:
     """`dry_run` with compute durations stretched by contention, at its fixed point."""
     spans = dry_run(plan, duration, transfer)
-    if not active(cluster):
+    if not active(cluster) and not plan.paired:
         return spans
     factor: dict[Key, float] = {}
     for k in range(ROUNDS):
@@ -70,6 +72,15 @@ def stretch(spans: Sequence[Span], cluster: ClusterSpec) -> dict[Key, float]:
             level = _Occupancy(node_spans)
             for s in node_spans:
                 out[(s.rank, s.task.name)] *= max(1.0, level.mean(s.start, s.end) / cores)
+    else:  # one device per rank: the two lanes of overlapped pairs share it
+        by_rank: dict[int, list[Span]] = {}
+        for s in compute:
+            by_rank.setdefault(s.rank, []).append(s)
+        for rank_spans in by_rank.values():
+            if len({s.stream for s in rank_spans}) > 1:
+                level = _Occupancy(rank_spans)
+                for s in rank_spans:
+                    out[(s.rank, s.task.name)] *= max(1.0, level.mean(s.start, s.end))
     c = cluster.comm_compute_contention
     if c > 0:
         comm: dict[int, list[Span]] = {}

@@ -19,7 +19,7 @@ from cost_models.cluster import ClusterSpec
 from cost_models.memory import peak_memory
 from piper.dag import Kind
 from runtime.dryrun import Span
-from runtime.plan import COMPUTE_STREAM, Plan, Task
+from runtime.plan import COMPUTE_STREAM, PAIR_STREAM, Plan, Task
 
 MODEL_FLOPS_PER_FORWARD = 3
 """Forward + backward (2x forward): the model FLOPs MFU counts, recompute excluded."""
@@ -120,10 +120,12 @@ def per_shape(price: Callable[[int, Task], float]) -> Callable[[int, Task], floa
 
 def usage(plan: Plan, spans: Iterable[Span], step_time: float
           ) -> tuple[tuple[float, ...], tuple[StreamUsage, ...]]:
-    """Per rank: model-math seconds on the compute stream; per (rank, stream): busy/idle."""
+    """Per rank: seconds of model math on its compute lanes (the time any of them runs some,
+    with overlapped pairs); per (rank, stream): busy/idle."""
     index = {rp.rank: i for i, rp in enumerate(plan.ranks)}
     math = [0.0] * len(plan.ranks)
     busy = {(rp.rank, s): 0.0 for rp in plan.ranks for s, _ in rp.streams}
+    paired: set[int] = set()  # ranks with math on a pair lane
     recv = Kind.RECV
     for s in spans:
         kind = s.task.kind
@@ -133,7 +135,22 @@ def usage(plan: Plan, spans: Iterable[Span], step_time: float
         busy[(s.rank, s.stream)] += took
         if kind._value_ in COMPUTE_KINDS and s.stream == COMPUTE_STREAM:
             math[index[s.rank]] += took
+        elif kind._value_ in COMPUTE_KINDS and s.stream == PAIR_STREAM:
+            paired.add(s.rank)
+    for rank in paired:  # two lanes may run math at once: count the union of their spans
+        math[index[rank]] = _union([(s.start, s.end) for s in spans if s.rank == rank
+                                    and s.task.kind._value_ in COMPUTE_KINDS
+                                    and s.stream in (COMPUTE_STREAM, PAIR_STREAM)])
     return tuple(math), tuple(StreamUsage(r, s, b, step_time - b) for (r, s), b in busy.items())
+
+
+def _union(intervals: list[tuple[float, float]]) -> float:
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(intervals):
+        if b > end:
+            total += b - max(a, end)
+            end = b
+    return total
 
 
 def bubble_fraction(plan: Plan, spans: Iterable[Span], step_time: float) -> float:

@@ -6,6 +6,10 @@ records each as one node (the captured graph keeps them; stage modules replay th
 backward runs the matching collective. An op names its group by a small integer key; each
 worker process binds its real process groups to the keys before running (`bind_group`).
 On meta tensors (capture, cost models) the ops are shape-preserving no-ops.
+
+Overlapped pairs issue these from two threads of a rank: each lane has its own
+communicators (`bind_group(..., lane=1)`; `piper.lanes`), and a collective hands the lane's
+compute token over while it waits (`lanes.waiting`).
 """
 
 from __future__ import annotations
@@ -15,33 +19,42 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from piper import lanes
+
 TP_GROUP = 0  # the ranks that hold shards of the same tensor-parallel layers
 EP_GROUP = 1  # the ranks that exchange tokens for one set of experts
 
-_groups: dict[int, Any] = {}
+_groups: dict[tuple[int, int], Any] = {}
 
 
-def bind_group(key: int, group: Any) -> None:
-    """Make the in-graph collectives with `key` run over `group` in this process."""
-    _groups[key] = group
+def bind_group(key: int, group: Any, lane: int = 0) -> None:
+    """Make the in-graph collectives with `key` run over `group` in this process (on
+    threads working for `lane`)."""
+    _groups[(key, lane)] = group
 
 
 def _group(key: int) -> Any:
-    if key not in _groups:
-        raise RuntimeError(f"no process group bound to in-graph collective key {key}")
-    return _groups[key]
+    at = (key, lanes.current())
+    if at not in _groups:
+        raise RuntimeError(f"no process group bound to in-graph collective key {key} "
+                           f"(lane {at[1]})")
+    return _groups[at]
 
 
 def _all_reduce(x: torch.Tensor, key: int) -> torch.Tensor:
     out = x.contiguous().clone()
-    dist.all_reduce(out, group=_group(key))
+    group = _group(key)
+    with lanes.waiting():
+        dist.all_reduce(out, group=group)
     return out
 
 
 def _all_to_all(x: torch.Tensor, key: int) -> torch.Tensor:
     src = x.contiguous()
     out = torch.empty_like(src)
-    dist.all_to_all_single(out, src, group=_group(key))
+    group = _group(key)
+    with lanes.waiting():
+        dist.all_to_all_single(out, src, group=group)
     return out
 
 

@@ -156,6 +156,7 @@ class TrainingDAG:
     streams: tuple[tuple[str, str], ...] = ()  # task kind value -> logical stream (Stream)
     sharding: ModelSharding = field(default_factory=ModelSharding)  # tensor / expert parallelism inside chunks
     recompute: tuple[int, ...] = ()  # stages whose activations are rebuilt in backward
+    pairs: tuple[tuple[Node, Node], ...] = ()  # overlapped (forward, backward), replica 0 (Order)
 
     @property
     def pp(self) -> int:

@@ -162,9 +162,10 @@ def dualpipev_order(rank: int, pp: int, microbatches: int) -> list[str]:
     The device holds chunk 0 = stage `rank` (forward path going out) and chunk 1 = stage
     2·pp−1−rank (coming back; the last stage, with the loss, is on device 0). Phases:
     1 nF0, 2 nF0F1, 3 nB1W1F1 (zero-bubble), 4 nF0B1F1B0 (the steady state: each forward
-    paired with a backward of the other chunk, so one's communication hides behind the
-    other's compute), 5 nB1F1B0, 6 nB1B0 (second half zero-bubble), 7 nWB0, 8 nW.
-    A zero-bubble backward runs I now and queues W; `weight` runs the oldest queued W.
+    overlapped with a backward of the other chunk, `F0.k+I3.j`, so one's communication
+    hides behind the other's compute), 5 nB1F1B0 (F1 overlapped with B0), 6 nB1B0 (second
+    half zero-bubble), 7 nWB0, 8 nW. A zero-bubble backward runs I now and queues W;
+    `weight` runs the oldest queued W.
     """
     chunk = (rank, 2 * pp - 1 - rank)
     fwd, bwd = [0, 0], [0, 0]
@@ -187,6 +188,12 @@ def dualpipev_order(rank: int, pp: int, microbatches: int) -> list[str]:
     def weight() -> None:
         out.append(queue.pop(0))
 
+    def overlapped(fc: int, bc: int) -> None:  # F of chunk fc beside the backward of bc
+        f(fc)
+        b(bc)
+        forward, backward, w = out[-3:]
+        out[-3:] = [f"{forward}+{backward}", w]
+
     for _ in range((pp - rank - 1) * 2):  # 1
         f(0)
     for _ in range(rank + 1):  # 2
@@ -197,14 +204,11 @@ def dualpipev_order(rank: int, pp: int, microbatches: int) -> list[str]:
         weight()
         f(1)
     for _ in range(microbatches - 2 * pp + rank + 1):  # 4 (F0 with B1, then F1 with B0)
-        f(0)
-        b(1)
-        f(1)
-        b(0)
+        overlapped(0, 1)
+        overlapped(1, 0)
     for _ in range(pp - rank - 1):  # 5
         b(1)
-        f(1)
-        b(0)
+        overlapped(1, 0)
     half = rank + 1
     zb = False
     for i in range(half):  # 6

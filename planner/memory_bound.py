@@ -29,7 +29,7 @@ def device_peaks(stage_regions: Sequence[Sequence[str]], stage_device: Sequence[
     the simulated peak keeps too."""
     mem = StageMemory.of(stage_regions, costs, microbatch_size, zero, recompute)
     per_param = zero_bytes_per_param(costs.element_size, zero, dp)
-    order_of = {o.device: o.tasks.split() for o in orders}
+    order_of = {o.device: o.names for o in orders}  # a pair: its forward first
     peaks = []
     for device in range(max(stage_device) + 1):
         mine = [s for s, d in enumerate(stage_device) if d == device]

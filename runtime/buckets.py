@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from piper.dag import Kind
-from runtime.plan import COMPUTE_STREAM, Plan
+from runtime.plan import COMPUTE_STREAM, PAIR_STREAM, Plan
 
 
 def bucket_indices(nbytes: list[int], cap: int) -> list[list[int]]:
@@ -45,13 +45,14 @@ def bucketed(plan: Plan) -> bool:
 def early_stages(plan: Plan) -> frozenset[int]:
     """Stages whose buckets start inside their last backward: bucketed, the all-reduce on
     the compute stream (the hooks fire on that thread, so the group's collectives keep one
-    order on every replica) and the backward not split (W, not autograd, makes the weight
-    gradients)."""
+    order on every replica), the backward not split (W, not autograd, makes the weight
+    gradients) and never on the pair lane (another thread)."""
     if not bucketed(plan):
         return frozenset()
-    split = {t.stage for rp in plan.ranks for t in rp.tasks if t.kind is Kind.BWD_I}
+    other = {t.stage for rp in plan.ranks for t in rp.tasks if t.kind is Kind.BWD_I} | {
+        t.stage for rp in plan.ranks for t in rp.stream(PAIR_STREAM)}
     return frozenset(t.stage for rp in plan.ranks for t in rp.stream(COMPUTE_STREAM)
-                     if t.kind is Kind.ALL_REDUCE and not t.values and t.stage not in split)
+                     if t.kind is Kind.ALL_REDUCE and not t.values and t.stage not in other)
 
 
 class GradBuckets:

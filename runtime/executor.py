@@ -10,6 +10,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -19,10 +20,11 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from piper.capture import Captured, ModelGraph
 from piper.dag import Kind
+from piper.lanes import ComputeToken, computing, lane
 from piper.model_file import ModelSpec
 from runtime.buckets import GradBuckets, bucketed, early_stages
 from runtime.memory import MemoryLedger, SavedTensors
-from runtime.plan import COMPUTE_STREAM, Plan, RankPlan, Task
+from runtime.plan import COMPUTE_STREAM, PAIR_STREAM, Plan, RankPlan, Task
 from runtime.recompute import recomputing
 from runtime.stage_module import StageModule, build_stage
 from runtime.streams import DeviceStreams
@@ -54,6 +56,7 @@ class _StepState:
     loss_sum: float = 0.0
     t0: float = 0.0
     error: BaseException | None = None
+    lock: threading.Lock = field(default_factory=threading.Lock)  # gradient sums (_accumulate)
 
 
 @dataclass
@@ -169,13 +172,28 @@ class RankExecutor:
         self.loss_scale = 1.0 / (plan.dp * plan.microbatches)
         self.ledger = MemoryLedger(device)
         self.streams = DeviceStreams(device, [n for n, _ in self.rp.streams], COMPUTE_STREAM)
-        # for each chunk task: the receives that feed the next two chunks (lookahead)
-        tasks = self.rp.stream(COMPUTE_STREAM)
-        chunks = [i for i, t in enumerate(tasks) if t.kind.is_chunk]
-        self.next_recvs: dict[int, list[Task]] = {}
-        for a, b in zip(chunks, chunks[1:] + [len(tasks)]):
-            nxt = next((c for c in chunks if c > b), len(tasks))
-            self.next_recvs[a] = [t for t in tasks[a + 1:nxt] if t.kind is Kind.RECV]
+        # CPU: the lanes of overlapped pairs take turns computing (threads would only
+        # compete for the rank's cores); communication of one overlaps the other's math
+        paired = any(name == PAIR_STREAM for name, _ in self.rp.streams)
+        self.token = ComputeToken() if paired and device.type == "cpu" else None
+        # the pair lane's tasks by pair, under the pair's forward: receives, backward, sends
+        self.units: dict[str, list[tuple[int, Task]]] = {}
+        unit: list[tuple[int, Task]] = []
+        for j, t in enumerate(self.rp.stream(PAIR_STREAM)):
+            if unit and t.kind is not Kind.SEND and any(u.pair for _, u in unit):
+                unit = []
+            unit.append((j, t))
+            if t.pair:
+                self.units[t.pair] = unit
+        # per lane (a stream that runs chunks), for each chunk task: the receives that feed
+        # the lane's next two chunks (lookahead)
+        self.next_recvs: dict[str, dict[int, list[Task]]] = {}
+        for name, tasks in self.rp.streams:
+            chunks = [i for i, t in enumerate(tasks) if t.kind.is_chunk]
+            ahead = self.next_recvs[name] = {}
+            for a, b in zip(chunks, chunks[1:] + [len(tasks)]):
+                nxt = next((c for c in chunks if c > b), len(tasks))
+                ahead[a] = [t for t in tasks[a + 1:nxt] if t.kind is Kind.RECV]
 
     # ---- one step -----------------------------------------------------------------------
     def step(self) -> StepOutcome:
@@ -184,15 +202,17 @@ class RankExecutor:
         st = _StepState({t.name: threading.Event() for t in self.rp.tasks})
         self.ledger.start_step()
         self.streams.start_step()
+        if self.token is not None:
+            self.token.reset()
         dist.barrier()  # every rank starts the step together, so step times are comparable
         st.t0 = time.perf_counter()
-        others = [threading.Thread(target=self._run_stream, args=(name, ts, st, False),
+        others = [threading.Thread(target=self._run_stream, args=(name, ts, st),
                                    daemon=True)
                   for name, ts in self.rp.streams if name != COMPUTE_STREAM]
         for th in others:
             th.start()
         try:
-            self._run_stream(COMPUTE_STREAM, self.rp.stream(COMPUTE_STREAM), st, True)
+            self._run_stream(COMPUTE_STREAM, self.rp.stream(COMPUTE_STREAM), st)
         finally:
             for th in others:
                 th.join()
@@ -208,38 +228,74 @@ class RankExecutor:
         return StepOutcome(st.loss_sum if has_loss else None, elapsed, self.ledger.peak(),
                            self.ledger.model_state_peak(), st.spans)
 
-    def _run_stream(self, stream: str, tasks: tuple[Task, ...], st: _StepState,
-                    compute: bool) -> None:
-        try:
-            with self.streams.on(stream):
-                self._issue(stream, tasks, st, compute)
+    def _run_stream(self, stream: str, tasks: tuple[Task, ...], st: _StepState) -> None:
+        try:  # the pair lane's in-graph collectives have communicators of their own
+            with self.streams.on(stream), lane(1 if stream == PAIR_STREAM else 0):
+                self._issue(stream, tasks, st)
         except BaseException as e:  # noqa: BLE001 - handed to the step's caller
             st.error = st.error or e
 
-    def _issue(self, stream: str, tasks: tuple[Task, ...], st: _StepState,
-               compute: bool) -> None:
+    def _issue(self, stream: str, tasks: tuple[Task, ...], st: _StepState) -> None:
+        token = self.token
+        if stream == PAIR_STREAM and token is not None:
+            self._steal(st, token)
+            return
         for i, task in enumerate(tasks):
-            for name in task.after:  # a task of another stream this one depends on
-                while not st.events[name].wait(0.05):
-                    if st.error is not None:
-                        return
-            if st.error is not None:
+            if not self._one(stream, i, task, st):
                 return
-            self.streams.wait_for(task.after)
-            ts = time.perf_counter()
-            if compute and task.kind.is_chunk:
-                # post the next chunks' receives now, so their inputs travel meanwhile
-                for r in self.next_recvs[i]:
-                    if r.tag not in st.posted:
-                        st.posted[r.tag] = self._post_recv(r)
-            if self.report is not None:
-                self.report(stream, task.name)
+            unit = self.units.get(task.name)
+            if unit is not None and token is not None and token.claim(task.name):
+                with lane(1):  # the pair's backward, right here: no hand-over between threads
+                    for j, t in unit:
+                        if not self._one(PAIR_STREAM, j, t, st):
+                            return
+
+    def _steal(self, st: _StepState, token: ComputeToken) -> None:
+        """The pair lane on CPU: a pair's backward runs in its forward's thread, after it,
+        unless the forward lane blocks on communication first; then this thread takes it,
+        so that communication overlaps the backward's compute."""
+        for forward, unit in self.units.items():
+            while (mine := token.steal(forward, 0.05)) is None:
+                if st.error is not None:
+                    return
+            if mine:
+                for j, t in unit:
+                    if not self._one(PAIR_STREAM, j, t, st):
+                        return
+
+    def _one(self, stream: str, i: int, task: Task, st: _StepState) -> bool:
+        """Run task `i` of `stream` once its waits are over; False when the step failed."""
+        token = self.token
+        # the forward lane, while it waits rather than computes, lets the pair lane go
+        idle = token.idle if token is not None and stream == COMPUTE_STREAM else nullcontext
+        waits = [st.events[n] for n in task.after if not st.events[n].is_set()]
+        if waits:  # tasks of another stream this one depends on, not done yet
+            with idle():
+                for ev in waits:
+                    while not ev.wait(0.05):
+                        if st.error is not None:
+                            return False
+        if st.error is not None:
+            return False
+        self.streams.wait_for(task.after)
+        ts = time.perf_counter()
+        chunk = task.kind.is_chunk
+        if chunk:
+            # post the next chunks' receives now, so their inputs travel meanwhile
+            for r in self.next_recvs[stream][i]:
+                if r.tag not in st.posted:
+                    st.posted[r.tag] = self._post_recv(r)
+        if self.report is not None:
+            self.report(stream, task.name)
+        with computing(token) if chunk else (
+                idle() if task.kind.is_collective else nullcontext()):
             self._run_task(task, st)
-            st.spans.append((stream, task, ts - st.t0, time.perf_counter() - st.t0))
-            self.streams.finished(task.name)
-            st.events[task.name].set()
-            if compute:
-                self.ledger.observe(self.params, self.optim, self.sharded, st.saved)
+        st.spans.append((stream, task, ts - st.t0, time.perf_counter() - st.t0))
+        self.streams.finished(task.name)
+        st.events[task.name].set()
+        if stream in (COMPUTE_STREAM, PAIR_STREAM):  # runs chunks: the ledger looks
+            self.ledger.observe(self.params, self.optim, self.sharded, st.saved)
+        return True
 
     def _run_task(self, task: Task, st: _StepState) -> None:
         acts, grads, saved = st.acts, st.grads, st.saved
@@ -250,27 +306,27 @@ class RankExecutor:
                 st.loss_sum += float(loss.detach())
         elif task.kind in (Kind.BWD, Kind.BWD_I):
             sv = saved.pop((task.stage, task.mb))
-            self._backward(task, sv, grads)
+            self._backward(task, sv, st)
             if task.kind is Kind.BWD_I:  # W needs what I deferred
                 saved[(task.stage, task.mb, "W")] = sv
         elif task.kind is Kind.BWD_W:
-            self._backward(task, saved.pop((task.stage, task.mb, "W")), grads)
+            self._backward(task, saved.pop((task.stage, task.mb, "W")), st)
         elif task.kind is Kind.SEND:
             store = grads if task.grad else acts
             for k, v in enumerate(task.values):
                 t = store[(v, task.mb)].detach().contiguous()
                 peer = self.mesh.physical(task.peer, self.tp_rank)
-                link = self.groups[("p2p", self.rank, peer)]
+                link = self.groups[("p2p", self.rank, peer, task.grad)]
                 st.pending.append((dist.isend(t, dst=peer, group=link, tag=task.tag + k), t))
         elif task.kind is Kind.RECV:
             works = st.posted.pop(task.tag, None) or self._post_recv(task)
             for v, (work, buf) in zip(task.values, works):
                 work.wait()
                 key = (v, task.mb)
-                if task.grad and key in grads:  # a value several stages consume
-                    grads[key] = grads[key] + buf
+                if task.grad:  # a value several stages consume: gradients add up
+                    _accumulate(st, key, buf)
                 else:
-                    (grads if task.grad else acts)[key] = buf
+                    acts[key] = buf
         elif task.kind is Kind.ALL_REDUCE and task.values:
             self._all_reduce_tied(task)
         elif task.kind.is_collective and task.stage not in self.optim:
@@ -321,7 +377,7 @@ class RankExecutor:
             info = self.plan.model.value(v)
             buf = torch.empty(info.shape, dtype=getattr(torch, info.dtype), device=self.device)
             peer = self.mesh.physical(task.peer, self.tp_rank)
-            link = self.groups[("p2p", peer, self.rank)]
+            link = self.groups[("p2p", peer, self.rank, task.grad)]
             out.append((dist.irecv(buf, src=peer, group=link, tag=task.tag + k), buf))
         return out
 
@@ -384,8 +440,7 @@ class RankExecutor:
         saved.activation_bytes = kept.bytes_with([*outs.values(), *(x for _, x in leaves)])
         return saved
 
-    def _backward(self, task: Task, saved: _Saved,
-                  grads: dict[tuple[str, int], torch.Tensor]) -> None:
+    def _backward(self, task: Task, saved: _Saved, st: _StepState) -> None:
         """B, or with SplitBackward its halves. B and I walk the autograd graph once (and
         free it): input gradients and every weight gradient the stage module computes in
         place; on a split stage the matmuls against parameters leave their weight products
@@ -400,7 +455,7 @@ class RankExecutor:
             roots.append(saved.loss)
             seeds.append(torch.ones_like(saved.loss))
         for name, t in saved.outputs.items():
-            g = grads.pop((name, task.mb), None)
+            g = st.grads.pop((name, task.mb), None)
             if g is not None and t.requires_grad:
                 roots.append(t)
                 seeds.append(g)
@@ -418,8 +473,7 @@ class RankExecutor:
         for name, x in saved.acts:
             g = torch.zeros_like(x) if x.grad is None else x.grad
             x.grad = None
-            key = (name, task.mb)
-            grads[key] = grads[key] + g if key in grads else g
+            _accumulate(st, (name, task.mb), g)
         saved.acts, saved.outputs, saved.loss = [], {}, None  # the graph is gone
         saved.activation_bytes = 0
         if shard is not None:
@@ -473,6 +527,13 @@ class RankExecutor:
         dist.all_reduce(flat, group=self.groups[ranks])
         for p, g in zip(params, _unflatten_dense_tensors(flat, gs)):
             p.grad = g
+
+
+def _accumulate(st: _StepState, key: tuple[str, int], g: torch.Tensor) -> None:
+    """Add `g` to the gradient of value `key`: the two lanes of an overlapped pair may
+    both contribute to one value (a skip connection), so under the step's lock."""
+    with st.lock:
+        st.grads[key] = st.grads[key] + g if key in st.grads else g
 
 
 def _align(got: ModelGraph, plan: ModelGraph, rank: int) -> dict[str, str]:

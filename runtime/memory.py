@@ -28,10 +28,23 @@ def optimizer_state_bytes(optim: torch.optim.Optimizer) -> int:
 
 
 class MemoryLedger:
+    """Observed after every task of a compute lane, so it keeps what cannot change within a
+    step — parameter bytes per stage, optimizer state once its tensors exist — instead of
+    walking every tensor again (a few percent of a step on small models)."""
+
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self._peak = 0
         self._model_state_peak = 0
+        self._param_bytes: dict[Any, int] = {}  # by stage: the parameters it updates
+        self._optim_bytes: dict[int, tuple[int, int]] = {}  # id(optim): (states, bytes)
+
+    def _optimizer(self, optim: torch.optim.Optimizer) -> int:
+        states, nbytes = self._optim_bytes.get(id(optim), (-1, 0))
+        if states != len(optim.state):  # its state appears at the first update, then stays
+            nbytes = optimizer_state_bytes(optim)
+            self._optim_bytes[id(optim)] = (len(optim.state), nbytes)
+        return nbytes
 
     def start_step(self) -> None:
         self._peak = 0
@@ -44,12 +57,15 @@ class MemoryLedger:
         model, transient = 0, 0
         for s, ps in list(params.items()):
             if s in optim:
-                model += optimizer_state_bytes(optim[s])
+                model += self._optimizer(optim[s])
             if s in sharded:
                 model += sharded[s].model_state_bytes()
                 transient += sharded[s].transient_bytes()
             else:
-                model += sum(_nbytes(p) + _nbytes(p.grad) for p in ps)
+                if s not in self._param_bytes:
+                    self._param_bytes[s] = sum(_nbytes(p) for p in ps)
+                model += self._param_bytes[s] + sum(_nbytes(p.grad) for p in ps
+                                                    if p.grad is not None)
         live = 0
         for sv in list(saved.values()):  # another stream may add entries meanwhile
             live += sv.activation_bytes  # what autograd saved, the outputs and inputs

@@ -50,19 +50,27 @@ class Mesh:
         device, replica = divmod(logical, self.dp)
         return tuple(device * self.dp + r for r in range(replica % self.ep, self.dp, self.ep))
 
-    def p2p_pairs(self, logical_pairs: set[tuple[int, int]]) -> list[tuple[int, int]]:
-        """(sender, receiver) processes of every P2P direction, in one creation order."""
-        return sorted({(self.physical(a, t), self.physical(b, t)) for a, b in logical_pairs
+    def p2p_links(self, logical: set[tuple[int, int, bool]]) -> list[tuple[int, int, bool]]:
+        """(sender, receiver, grad) processes of every P2P link, in one creation order."""
+        return sorted({(self.physical(a, t), self.physical(b, t), g) for a, b, g in logical
                        for t in range(self.tp)})
 
     def groups(self, logical_groups: tuple[Group, ...]) -> list[Group]:
         """Every process group a run needs, in one order all ranks create them in."""
         out: set[Group] = {self.lift(g, t) for g in logical_groups for t in range(self.tp)}
+        out.update(self.in_graph_groups())
+        for L in range(self.pp * self.dp):
+            if self.ep > 1 and self.dp > self.ep:
+                out.update(self.lift(self.expert_dp_group(L), t) for t in range(self.tp))
+        return sorted(out)
+
+    def in_graph_groups(self) -> list[Group]:
+        """The groups of collectives inside chunks: tensor-parallel, and expert-parallel
+        (lifted per tensor-parallel index)."""
+        out: set[Group] = set()
         for L in range(self.pp * self.dp):
             if self.tp > 1:
                 out.add(self.tp_group(L))
             if self.ep > 1:
                 out.update(self.lift(self.ep_group(L), t) for t in range(self.tp))
-                if self.dp > self.ep:
-                    out.update(self.lift(self.expert_dp_group(L), t) for t in range(self.tp))
         return sorted(out)

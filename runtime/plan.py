@@ -15,6 +15,9 @@ from piper.sharding import ModelSharding
 from runtime.mesh import Mesh
 
 COMPUTE_STREAM = "compute"
+PAIR_STREAM = "pair"
+"""The second compute lane: the backward of an overlapped pair (`Order("F0.2+I3.0")`) runs
+here beside its forward on COMPUTE_STREAM."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,6 +40,7 @@ class Task:
     group: tuple[int, ...] = ()
     name: str = ""
     after: tuple[str, ...] = ()  # tasks of another stream of this rank that must finish first
+    pair: str = ""  # on PAIR_STREAM: the forward this backward overlaps (it yields to it)
 
     def __repr__(self) -> str:
         return self.name
@@ -90,9 +94,17 @@ class Plan:
         """Processes: one per logical rank (`ranks`) and tensor-parallel index."""
         return len(self.ranks) * self.sharding.tp
 
-    def p2p_pairs(self) -> set[tuple[int, int]]:
-        """(sender, receiver) logical ranks of every message of the step."""
-        return {(rp.rank, t.peer) for rp in self.ranks for t in rp.tasks if t.kind is Kind.SEND}
+    @property
+    def paired(self) -> bool:
+        """Whether some rank runs overlapped pairs (a second compute lane)."""
+        return any(name == PAIR_STREAM for rp in self.ranks for name, _ in rp.streams)
+
+    def p2p_links(self) -> set[tuple[int, int, bool]]:
+        """(sender, receiver, grad) of every message of the step: logical ranks, and whether
+        it carries gradients (each kind of message gets its own communicator per
+        direction, so the two lanes of an overlapped pair never share one)."""
+        return {(rp.rank, t.peer, t.grad) for rp in self.ranks for t in rp.tasks
+                if t.kind is Kind.SEND}
 
     def describe(self) -> str:
         """One line per rank: its tasks by short name (torch pipelining style)."""

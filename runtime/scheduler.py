@@ -21,7 +21,7 @@ import networkx as nx
 from piper.dag import Kind, Node, TrainingDAG
 from piper.errors import PiperError
 from runtime.dryrun import dry_run
-from runtime.plan import COMPUTE_STREAM, Plan, RankPlan, Task
+from runtime.plan import COMPUTE_STREAM, PAIR_STREAM, Plan, RankPlan, Task
 
 
 def _priority(n: Node) -> tuple:
@@ -66,6 +66,11 @@ def schedule(dag: TrainingDAG, *, check: bool = True) -> Plan:
                         name=n.name)
         return Task(n.kind, n.stage, n.mb, name=n.name)
 
+    # each overlapped pair, on every replica, by either member: (forward, backward); the
+    # backward runs on PAIR_STREAM
+    pair_of = {n: p for f, b in dag.pairs for r in range(dag.dp)
+               for p in [(Node(f.kind, f.stage, f.mb, r), Node(b.kind, b.stage, b.mb, r))]
+               for n in p}
     by_rank: list[list[Node]] = [[] for _ in range(dag.ranks)]
     for n in order:  # one pass, not one per rank: large plans have ~100 ranks x 10^4 nodes
         by_rank[dag.rank_of(n)].append(n)
@@ -81,12 +86,17 @@ def schedule(dag: TrainingDAG, *, check: bool = True) -> Plan:
             placed.update(nodes)
 
         for c in chunks:
-            add(sorted(p for p in g.predecessors(c) if p.kind in (Kind.RECV, Kind.ALL_GATHER)))
-            add([c])
-            add(sorted(s for s in g.successors(c) if s.kind is Kind.SEND))
-            if c.kind.ends_backward:
-                add(sorted(s for s in g.successors(c) if s.kind.is_collective and s.src < 0
-                           and all(p in placed for p in g.predecessors(s))))
+            if c in placed:
+                continue  # the other task of a pair, placed with the first
+            unit = list(pair_of.get(c, (c,)))  # an overlapped pair at once
+            add(sorted(p for u in unit for p in g.predecessors(u)
+                       if p.kind in (Kind.RECV, Kind.ALL_GATHER)))
+            add(unit)
+            add(sorted(s for u in unit for s in g.successors(u) if s.kind is Kind.SEND))
+            for u in unit:
+                if u.kind.ends_backward:
+                    add(sorted(s for s in g.successors(u) if s.kind.is_collective
+                               and s.src < 0 and all(p in placed for p in g.predecessors(s))))
         # tied-parameter all-reduces span pipeline devices: only once all chunks are done
         add(sorted(n for n in mine if n.kind is Kind.ALL_REDUCE and n.src >= 0))
         for u in sorted(n for n in mine if n.kind is Kind.UPDATE):
@@ -97,7 +107,8 @@ def schedule(dag: TrainingDAG, *, check: bool = True) -> Plan:
             raise PiperError(f"scheduler left tasks unplaced on rank {rank}: {sorted(missing)}")
         device, replica = divmod(rank, dag.dp)
         stages = tuple(s.index for s in dag.stages if s.device == device)
-        ranks.append(RankPlan(rank, device, replica, stages, _streams(dag, seq, task)))
+        ranks.append(RankPlan(rank, device, replica, stages,
+                              _streams(dag, seq, task, {b: f for f, b in pair_of.values()})))
     out = dag.stage_of_region(dag.model.regions[dag.model.output_region].name)
     plan = Plan(
         model=dag.model,
@@ -120,12 +131,20 @@ def schedule(dag: TrainingDAG, *, check: bool = True) -> Plan:
     return plan
 
 
-def _streams(dag: TrainingDAG, seq: list[Node], task: Callable[[Node], Task]
-             ) -> tuple[tuple[str, tuple[Task, ...]], ...]:
+def _streams(dag: TrainingDAG, seq: list[Node], task: Callable[[Node], Task],
+             paired: dict[Node, Node]) -> tuple[tuple[str, tuple[Task, ...]], ...]:
     """Split one rank's order by logical stream; an edge from another stream of the same
-    rank becomes a wait (`Task.after`). With one stream nothing changes."""
+    rank becomes a wait (`Task.after`). With one stream nothing changes. The backward of an
+    overlapped pair runs on PAIR_STREAM, with its own sends and receives (unless a Stream
+    directive put those elsewhere), so it waits for its input while its forward computes."""
     stream_of = dict(dag.streams)
     where = {n: stream_of.get(n.kind.value, COMPUTE_STREAM) for n in seq}
+    g = dag.graph
+    for b in paired.keys() & where.keys():
+        where[b] = PAIR_STREAM
+        for n in (*g.predecessors(b), *g.successors(b)):
+            if n.kind.is_p2p and where.get(n) == COMPUTE_STREAM:
+                where[n] = PAIR_STREAM
     rank_of = dag.rank_of
     out: dict[str, list[Task]] = {COMPUTE_STREAM: []}
     for n in seq:
@@ -134,6 +153,8 @@ def _streams(dag: TrainingDAG, seq: list[Node], task: Callable[[Node], Task]
                        if p in where and where[p] != where[n] and rank_of(p) == rank_of(n))
         if after:
             t = replace(t, after=tuple(after))
+        if n in paired:
+            t = replace(t, pair=paired[n].name)
         out.setdefault(where[n], []).append(t)
     streams_of_group: dict[tuple[int, ...], set[str]] = {}
     for s, ts in out.items():

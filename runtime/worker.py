@@ -14,7 +14,7 @@ from piper.capture import capture
 from piper.collectives import EP_GROUP, TP_GROUP, bind_group
 from piper.model_file import load_model_file
 from runtime.executor import RankExecutor, StepOutcome
-from runtime.plan import Plan
+from runtime.plan import PAIR_STREAM, Plan
 from runtime.progress import ProgressFile, progress_path
 
 
@@ -46,17 +46,16 @@ class Worker:
                                 world_size=self.world,
                                 timeout=datetime.timedelta(seconds=timeout_s))
         mesh = plan.mesh
-        groups = {g: dist.new_group(list(g), timeout=datetime.timedelta(seconds=timeout_s))
-                  for g in mesh.groups(plan.groups)}
-        # one communicator per P2P direction, so opposite messages never queue on one link
-        groups.update({("p2p", a, b): dist.new_group(
-            sorted((a, b)), timeout=datetime.timedelta(seconds=timeout_s))
-            for a, b in mesh.p2p_pairs(plan.p2p_pairs())})
+        groups = process_groups(plan, datetime.timedelta(seconds=timeout_s))
         logical, t = mesh.split(self.rank)
-        if mesh.tp > 1:
-            bind_group(TP_GROUP, groups[mesh.tp_group(logical)])
-        if mesh.ep > 1:
-            bind_group(EP_GROUP, groups[mesh.lift(mesh.ep_group(logical), t)])
+        for lane in (0, 1) if plan.paired else (0,):
+            def group(g: tuple[int, ...], lane: int = lane) -> Any:
+                return groups[(PAIR_STREAM, g) if lane else g]
+
+            if mesh.tp > 1:
+                bind_group(TP_GROUP, group(mesh.tp_group(logical)), lane)
+            if mesh.ep > 1:
+                bind_group(EP_GROUP, group(mesh.lift(mesh.ep_group(logical), t)), lane)
         spec = load_model_file(self.model_path, self.model_args)
         mb = batch_size // (plan.dp * plan.microbatches)
         sharding = None if plan.sharding.trivial else plan.sharding
@@ -78,6 +77,23 @@ class Worker:
     def shutdown(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def process_groups(plan: Plan, timeout: datetime.timedelta | None = None) -> dict[Any, Any]:
+    """Every communicator `plan` needs, made in one order on all ranks: its collective
+    groups by ranks, and one P2P link per direction and message kind, ("p2p", sender,
+    receiver, grad), so opposite messages never queue on one link and the two lanes of an
+    overlapped pair never post on the same one."""
+    kw = {} if timeout is None else {"timeout": timeout}
+    mesh = plan.mesh
+    groups: dict[Any, Any] = {g: dist.new_group(list(g), **kw)
+                              for g in mesh.groups(plan.groups)}
+    groups.update({("p2p", a, b, grad): dist.new_group(sorted((a, b)), **kw)
+                   for a, b, grad in mesh.p2p_links(plan.p2p_links())})
+    if plan.paired:  # the pair lane's own in-graph communicators (piper.collectives.lane)
+        groups.update({(PAIR_STREAM, g): dist.new_group(list(g), **kw)
+                       for g in mesh.in_graph_groups()})
+    return groups
 
 
 RemoteWorker = ray.remote(Worker)

@@ -379,6 +379,37 @@ def test_order_rejects_bad_tasks(dag0: TrainingDAG, tasks: str, msg: str) -> Non
     assert e.value.index == 3
 
 
+def v_dag(dag0: TrainingDAG, m: int = 4) -> TrainingDAG:
+    """Four stages in a V on two devices (stages 0 and 3 on device 0), backward split."""
+    ds = schedules.dualpipev([[r] for r in ("embed", "layer.0")] + [
+        ["layer.1", "layer.2"], ["layer.3", "head"]], microbatches=m).directives
+    return Program([d for d in ds if not isinstance(d, Order)]).apply(dag0)
+
+
+def test_order_pair_runs_both_tasks_between_their_neighbours(dag0: TrainingDAG) -> None:
+    base = v_dag(dag0)
+    dag = Order(0, "F0.0 F0.1 F0.2 F3.0 I3.0+F0.3 W3.0").apply(base, 9)
+    f, b = Node(Kind.FWD, 0, 3), Node(Kind.BWD_I, 3, 0)
+    assert dag.pairs == ((f, b),)  # forward first, whatever the written order
+    before, after = Node(Kind.FWD, 3, 0), Node(Kind.BWD_W, 3, 0)
+    assert {(before, f), (f, after)} <= set(temporal(dag))
+    assert {(before, b), (b, after)} <= set(dag.graph.edges)  # data edges already
+    assert (f, b) not in dag.graph.edges and (b, f) not in dag.graph.edges
+    assert Order(0, "F0.0 I3.0+F0.3").names == ["F0.0", "F0.3", "I3.0"]
+
+
+@pytest.mark.parametrize("tasks, msg", [
+    ("F0.0+F3.0", "joins a forward .F. and a backward"),
+    ("I3.0+W3.0", "joins a forward .F. and a backward"),
+    ("F0.1+I0.0", "different stages"),
+    ("F0.1+I3.0+F0.2", "exactly two tasks"),
+    ("F0.1+I3.0 F0.1", "a task appears twice"),
+])
+def test_order_rejects_bad_pairs(dag0: TrainingDAG, tasks: str, msg: str) -> None:
+    with pytest.raises(piper.DirectiveError, match=msg):
+        Order(0, tasks).apply(v_dag(dag0), 9)
+
+
 def test_order_normalises_whitespace_and_accepts_a_task_list() -> None:
     assert Order(0, "  F0.0\tF0.1\n B0.0 ") == Order(0, "F0.0 F0.1 B0.0")
     assert Order(0, ["F0.0", "F0.1"]) == Order(0, "F0.0 F0.1")  # type: ignore[arg-type]

@@ -121,10 +121,18 @@ def test_dualpipev_places_stages_in_a_v_with_the_loss_on_device_zero(dag0):
 @pytest.mark.parametrize(("pp", "m"), [(2, 4), (3, 7), (4, 8)])
 def test_dualpipev_runs_every_half_backward_once_in_eight_phases(pp, m):
     for rank in range(pp):
-        order = schedules.dualpipev_order(rank, pp, m)
+        words = piper.Order(rank, schedules.dualpipev_order(rank, pp, m)).words
+        order = [n for w in words for n in w]
         chunks = (rank, 2 * pp - 1 - rank)
         assert sorted(order) == sorted(f"{k}{s}.{mb}" for s in chunks for mb in range(m)
                                        for k in "FIW")
+        pairs = [w for w in words if len(w) == 2]
+        # phase 4 overlaps two pairs per round, phase 5 one: a forward beside the other
+        # chunk's input-gradient backward
+        assert len(pairs) == 2 * (m - 2 * pp + rank + 1) + (pp - rank - 1)
+        for f, b in pairs:
+            assert f[0] == "F" and b[0] == "I"
+            assert {int(f[1:].split(".")[0]), int(b[1:].split(".")[0])} == set(chunks)
         for s in chunks:  # each chunk walks its microbatches in order, W after its I
             for k in "FIW":
                 mbs = [int(t.split(".")[1]) for t in order if t.startswith(f"{k}{s}.")]

@@ -10,7 +10,7 @@ from piper import schedules
 from piper.dag import Kind
 from piper.model_file import load_model_file
 from runtime.dryrun import DeadlockError, dry_run
-from runtime.plan import COMPUTE_STREAM, Plan, RankPlan, Task
+from runtime.plan import COMPUTE_STREAM, PAIR_STREAM, Plan, RankPlan, Task
 from runtime.scheduler import schedule
 from tests.conftest import GPT
 
@@ -109,3 +109,28 @@ def test_cross_device_order_cycle_names_both_orders(dag0):
                                piper.Order(1, "F1.0 F1.1 B1.0 B1.1")])
     with pytest.raises(piper.DirectiveError, match=r"cycle .*Order directives \[3, 4\]"):
         prog.apply(dag0)
+
+
+def test_pair_backward_runs_on_the_pair_lane_with_its_messages(dag0):
+    four = [["embed", "layer.0"], ["layer.1"], ["layer.2"], ["layer.3", "head"]]
+    prog = schedules.dualpipev(four, microbatches=4)
+    plan = schedule(prog.apply(dag0))  # the dry run passes
+    words = {w for d in prog.directives if isinstance(d, piper.Order) for w in d.words}
+    pairs = {b: f for f, b in (w for w in words if len(w) == 2)}
+    assert plan.paired and pairs
+    for rp in plan.ranks:
+        lane = rp.stream(PAIR_STREAM)
+        backward = [t for t in lane if t.kind.is_chunk]
+        assert {t.name for t in backward} == {b for b in pairs if int(b[1:].split(".")[0])
+                                              in rp.stages}
+        assert all(t.pair == pairs[t.name] for t in backward)
+        # a backward's own sends and receives travel with it; nothing else is on the lane
+        assert {t.kind for t in lane} <= {Kind.BWD_I, Kind.SEND, Kind.RECV}
+        for t in lane:
+            if t.kind.is_p2p:
+                assert t.grad and any(b.mb == t.mb for b in backward)
+        compute = rp.stream(COMPUTE_STREAM)
+        for b in backward:  # what follows the pair on the compute lane waits for it
+            f = next(i for i, t in enumerate(compute) if t.name == b.pair)
+            nxt = next(t for t in compute[f + 1:] if t.kind.is_chunk)
+            assert b.name in nxt.after

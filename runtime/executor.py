@@ -247,7 +247,7 @@ class RankExecutor:
             if unit is not None and token is not None and token.claim(task.name):
                 with lane(1):  # the pair's backward, right here: no hand-over between threads
                     for j, t in unit:
-                        if not self._one(PAIR_STREAM, j, t, st):
+                        if not self._one(PAIR_STREAM, j, t, st, shown=COMPUTE_STREAM):
                             return
 
     def _steal(self, st: _StepState, token: ComputeToken) -> None:
@@ -263,8 +263,9 @@ class RankExecutor:
                     if not self._one(PAIR_STREAM, j, t, st):
                         return
 
-    def _one(self, stream: str, i: int, task: Task, st: _StepState) -> bool:
-        """Run task `i` of `stream` once its waits are over; False when the step failed."""
+    def _one(self, stream: str, i: int, task: Task, st: _StepState, shown: str = "") -> bool:
+        """Run task `i` of `stream` once its waits are over; False when the step failed.
+        `shown`: the lane whose thread runs it, for the timeline (default `stream`)."""
         token = self.token
         # the forward lane, while it waits rather than computes, lets the pair lane go
         idle = token.idle if token is not None and stream == COMPUTE_STREAM else nullcontext
@@ -290,11 +291,15 @@ class RankExecutor:
         with computing(token) if chunk else (
                 idle() if task.kind.is_collective else nullcontext()):
             self._run_task(task, st)
-        st.spans.append((stream, task, ts - st.t0, time.perf_counter() - st.t0))
+        st.spans.append((shown or stream, task, ts - st.t0, time.perf_counter() - st.t0))
         self.streams.finished(task.name)
         st.events[task.name].set()
-        if stream in (COMPUTE_STREAM, PAIR_STREAM):  # runs chunks: the ledger looks
-            self.ledger.observe(self.params, self.optim, self.sharded, st.saved)
+        if stream in (COMPUTE_STREAM, PAIR_STREAM) and not task.kind.is_p2p:
+            # runs chunks: the ledger looks (messages change no state it counts)
+            grads = task.kind in (Kind.BWD, Kind.BWD_I, Kind.BWD_W, Kind.UPDATE,
+                                  Kind.ALL_REDUCE)
+            self.ledger.observe(self.params, self.optim, self.sharded, st.saved,
+                                (-1 if task.values else task.stage) if grads else None)
         return True
 
     def _run_task(self, task: Task, st: _StepState) -> None:

@@ -28,16 +28,19 @@ def optimizer_state_bytes(optim: torch.optim.Optimizer) -> int:
 
 
 class MemoryLedger:
-    """Observed after every task of a compute lane, so it keeps what cannot change within a
-    step — parameter bytes per stage, optimizer state once its tensors exist — instead of
-    walking every tensor again (a few percent of a step on small models)."""
+    """Observed after the tasks of a compute lane, so it keeps what a task cannot change —
+    parameter bytes, optimizer state once its tensors exist, the gradients of stages the
+    task does not touch — instead of walking every tensor again (asking a parameter for its
+    gradient wraps a new Python object: ~1 µs a parameter, a few percent of a small
+    model's step)."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self._peak = 0
         self._model_state_peak = 0
-        self._param_bytes: dict[Any, int] = {}  # by stage: the parameters it updates
+        self._param_bytes: dict[Any, list[int]] = {}  # by stage: its parameters' sizes
         self._optim_bytes: dict[int, tuple[int, int]] = {}  # id(optim): (states, bytes)
+        self._grad_bytes: dict[Any, int] = {}  # by stage, as last counted
 
     def _optimizer(self, optim: torch.optim.Optimizer) -> int:
         states, nbytes = self._optim_bytes.get(id(optim), (-1, 0))
@@ -53,7 +56,10 @@ class MemoryLedger:
 
     def observe(self, params: dict[int, list[torch.nn.Parameter]],
                 optim: dict[int, torch.optim.Optimizer], sharded: dict[int, ShardedStage],
-                saved: dict[Any, Any]) -> None:
+                saved: dict[Any, Any], touched: int | None = -1) -> None:
+        """Account for the rank's state now. `touched`: the stage whose gradients the task
+        just run may have changed (-1: any stage, None: none); keys ("tied", s) and
+        ("experts", s) belong to stage s."""
         model, transient = 0, 0
         for s, ps in list(params.items()):
             if s in optim:
@@ -62,10 +68,16 @@ class MemoryLedger:
                 model += sharded[s].model_state_bytes()
                 transient += sharded[s].transient_bytes()
             else:
-                if s not in self._param_bytes:
-                    self._param_bytes[s] = sum(_nbytes(p) for p in ps)
-                model += self._param_bytes[s] + sum(_nbytes(p.grad) for p in ps
-                                                    if p.grad is not None)
+                sizes = self._param_bytes.get(s)
+                if sizes is None or len(sizes) != len(ps):
+                    sizes = self._param_bytes[s] = [_nbytes(p) for p in ps]
+                stage = s[1] if isinstance(s, tuple) else s
+                grads = self._grad_bytes.get(s)
+                if grads is None or touched == -1 or touched == stage:
+                    # a gradient has its parameter's size
+                    grads = self._grad_bytes[s] = sum(n for p, n in zip(ps, sizes)
+                                                      if p.grad is not None)
+                model += sum(sizes) + grads
         live = 0
         for sv in list(saved.values()):  # another stream may add entries meanwhile
             live += sv.activation_bytes  # what autograd saved, the outputs and inputs

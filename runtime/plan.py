@@ -40,7 +40,7 @@ class Task:
     group: tuple[int, ...] = ()
     name: str = ""
     after: tuple[str, ...] = ()  # tasks of another stream of this rank that must finish first
-    pair: str = ""  # on PAIR_STREAM: the forward this backward overlaps (it yields to it)
+    pair: str = ""  # a backward on PAIR_STREAM: the forward it is paired with
 
     def __repr__(self) -> str:
         return self.name

@@ -135,8 +135,9 @@ def _streams(dag: TrainingDAG, seq: list[Node], task: Callable[[Node], Task],
              paired: dict[Node, Node]) -> tuple[tuple[str, tuple[Task, ...]], ...]:
     """Split one rank's order by logical stream; an edge from another stream of the same
     rank becomes a wait (`Task.after`). With one stream nothing changes. The backward of an
-    overlapped pair runs on PAIR_STREAM, with its own sends and receives (unless a Stream
-    directive put those elsewhere), so it waits for its input while its forward computes."""
+    overlapped pair (`paired`: backward -> forward) runs on PAIR_STREAM, with its own sends
+    and receives (unless a Stream directive put those elsewhere), so it waits for its input
+    while its forward computes."""
     stream_of = dict(dag.streams)
     where = {n: stream_of.get(n.kind.value, COMPUTE_STREAM) for n in seq}
     g = dag.graph

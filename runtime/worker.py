@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 from typing import Any
@@ -28,6 +29,8 @@ class Worker:
         self.model_path, self.model_args = model_path, model_args
         self.device_type = device
         torch.set_num_threads(threads)
+        with contextlib.suppress(OSError):  # a cluster started elsewhere: at its niceness
+            os.setpriority(os.PRIO_PROCESS, 0, 0)  # (lowering it needs the privilege)
         self.ex: RankExecutor | None = None
         self.steps = 0
         # what this rank is doing, for the driver to name if the process dies (see progress)

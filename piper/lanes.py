@@ -44,20 +44,18 @@ class ComputeToken:
     """The right to compute on one rank, passed between its two lanes."""
 
     def __init__(self) -> None:
+        self._compute = threading.Lock()  # the token itself
+        # claims and the forward lane's waits; only a wait wakes the pair thread, so a
+        # dense model (nothing to wait for) never switches threads
         self._cond = threading.Condition()
-        self._held = False
         self._waiting = 0  # the forward lane is waiting for communication, not computing
         self._claimed: set[str] = set()  # pairs (by forward) whose backward has a thread
 
     def _acquire(self) -> None:
-        with self._cond:
-            self._cond.wait_for(lambda: not self._held)
-            self._held = True
+        self._compute.acquire()
 
     def _release(self) -> None:
-        with self._cond:
-            self._held = False
-            self._cond.notify_all()
+        self._compute.release()
 
     @contextlib.contextmanager
     def idle(self) -> Iterator[None]:
@@ -83,7 +81,7 @@ class ComputeToken:
     def steal(self, forward: str, timeout: float) -> bool | None:
         """The pair lane: wait (at most `timeout` s, then None) until the forward lane
         waits on communication — then claim the pair of `forward` (True) — or has claimed
-        it itself (False)."""
+        it itself (False; seen at the next wait or timeout, since claims wake no one)."""
         with self._cond:
             if not self._cond.wait_for(lambda: forward in self._claimed or self._waiting > 0,
                                        timeout):
@@ -92,6 +90,11 @@ class ComputeToken:
                 return False
             self._claimed.add(forward)
             return True
+
+    def wake(self) -> None:
+        """The forward lane is done with its step: the pair lane sees every claim now."""
+        with self._cond:
+            self._cond.notify_all()
 
     def reset(self) -> None:
         """A new step: every pair is free again."""

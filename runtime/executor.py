@@ -214,6 +214,8 @@ class RankExecutor:
         try:
             self._run_stream(COMPUTE_STREAM, self.rp.stream(COMPUTE_STREAM), st)
         finally:
+            if self.token is not None:
+                self.token.wake()
             for th in others:
                 th.join()
         if st.error is not None:

@@ -19,8 +19,8 @@ class Order(Directive):
     `tasks` is a string of task names separated by spaces: F<stage>.<mb>, B<stage>.<mb>, and
     after SplitBackward I<stage>.<mb> and W<stage>.<mb>. Two tasks joined by `+` are an
     *overlapped pair* (DualPipe's F&B): a forward and a backward (B or I) of two different
-    stages that run at once, the second on the device's `pair` lane, so each one's
-    communication (its receive, an all-to-all inside it) hides behind the other's compute.
+    stages that run at once, the backward on the device's `pair` lane, so one's
+    communication (an all-to-all inside it, its receive) hides behind the other's compute.
     Requires: Split and Replicate done; each task runs on `device` and appears once.
     Rewrites: a temporal edge from every task of one word to every task of the next. An order
     that contradicts the data dependences (or another Order) would make a cycle; that is an

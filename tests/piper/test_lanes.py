@@ -75,3 +75,16 @@ def test_lane_of_a_thread_defaults_to_the_compute_lane() -> None:
         t.join()
         assert seen == [0]  # per thread
     assert lanes.current() == 0
+
+
+def test_claims_wake_the_pair_lane_only_when_the_forward_lane_is_done() -> None:
+    token = ComputeToken()
+    seen: list[bool | None] = []
+    thief = threading.Thread(target=lambda: seen.append(token.steal("F0.0", 5.0)))
+    thief.start()
+    token.claim("F0.0")
+    time.sleep(0.05)
+    assert not seen  # a claim alone does not switch threads
+    token.wake()
+    thief.join(5.0)
+    assert seen == [False]

@@ -171,6 +171,7 @@ class RankExecutor:
         self.targets = _slice(targets, lo, lo + per_replica, device)
         self.loss_scale = 1.0 / (plan.dp * plan.microbatches)
         self.ledger = MemoryLedger(device)
+        self.activation_bytes: dict[int, int] = {}  # per stage: what one chunk keeps
         self.streams = DeviceStreams(device, [n for n, _ in self.rp.streams], COMPUTE_STREAM)
         # CPU: the lanes of overlapped pairs take turns computing (threads would only
         # compete for the rank's cores); communication of one overlaps the other's math
@@ -428,9 +429,14 @@ class RankExecutor:
             freed = shard is not None and shard.zero == 3
             deferred = WeightGradStore((shard.flat.untyped_storage().data_ptr(),)
                                        if freed else ())
+        # what a chunk keeps has the same size for every microbatch (static shapes): it is
+        # counted once per stage, through saved-tensor hooks that cost ~1% of a chunk
+        counted = self.activation_bytes.get(task.stage)
         kept = SavedTensors(exclude={t.untyped_storage().data_ptr() for (k, _), t in
-                                     zip(sm.inputs, args) if k in ("param", "buffer")})
-        with collecting(deferred), kept.counting():
+                                     zip(sm.inputs, args) if k in ("param", "buffer")}
+                            ) if counted is None else None
+        counting = kept.counting if kept is not None else nullcontext
+        with collecting(deferred), counting():
             outs = dict(zip(sm.outputs, sm.module(*args)))
         del views
         if shard is not None and shard.zero == 3:
@@ -442,9 +448,12 @@ class RankExecutor:
             out = [outs[n] for n in sm.model_outputs]
             pred = out[0] if len(out) == 1 else tuple(out)
             tgt = _slice(self.targets, lo, hi, self.device)
-            with kept.counting():  # the loss keeps a log-softmax the size of the logits
+            with counting():  # the loss keeps a log-softmax the size of the logits
                 saved.loss = self.spec.loss_fn(pred, tgt) * self.loss_scale
-        saved.activation_bytes = kept.bytes_with([*outs.values(), *(x for _, x in leaves)])
+        if kept is not None:
+            counted = self.activation_bytes[task.stage] = kept.bytes_with(
+                [*outs.values(), *(x for _, x in leaves)])
+        saved.activation_bytes = counted
         return saved
 
     def _backward(self, task: Task, saved: _Saved, st: _StepState) -> None:

@@ -1,13 +1,15 @@
 """Step time of our pipeline schedules against torch.distributed.pipelining, same everything.
 
-    python benchmarks/vs_torch_pipelining.py --ranks 2 4 --repeats 3
+    python benchmarks/vs_torch_pipelining.py --ranks 2 4 --repeats 3 --steps 10
 
 Same model (examples/gpt.py, size=mini), same seed and batch, same microbatches, same stage
 boundaries (ours, balanced by cost), same threads per rank, gloo on CPU. Ours runs on Ray
-actors through `runtime.launcher.run`; theirs runs torch's `Schedule1F1B` /
-`ScheduleInterleaved1F1B` / `ScheduleDualPipeV` in processes from `torch.multiprocessing`. Runs alternate
-(ours, theirs, ours, ...) so machine noise hits both; each run's first step (warm-up) is
-dropped and the median of the rest is reported, with the ratio ours/theirs.
+actors (a `runtime.launcher.Job` on one Ray instance for the whole run, as on a cluster);
+theirs runs torch's `Schedule1F1B` / `ScheduleInterleaved1F1B` / `ScheduleDualPipeV` in
+spawned processes. Both are set up side by side and their steps alternate one by one, so the
+machine's drift in speed (large on a shared 2-core VM) hits both alike; each run's first
+`--warmup` steps are dropped; the table gives the median step over all runs of each system,
+their ratio, and the median of the step-by-step ratios with a 95% bootstrap interval.
 """
 
 from __future__ import annotations
@@ -18,11 +20,14 @@ import socket
 import statistics
 import sys
 import time
+from multiprocessing.connection import Connection
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from scipy.stats import bootstrap
 from torch import nn
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -32,7 +37,7 @@ from cost_models import CATALOG
 from piper import schedules
 from piper.model_file import ModelSpec, load_model_file
 from planner.evaluate import Evaluator
-from runtime.launcher import lower, run
+from runtime.launcher import Job, ensure_ray, lower
 from search_spaces.partition import balanced_stages
 
 GPT = str(ROOT / "examples" / "gpt.py")
@@ -74,7 +79,9 @@ class RegionStage(nn.Module):
 
 
 def _theirs_worker(rank: int, world: int, port: int, schedule: str, stages: list[list[str]],
-                   microbatches: int, batch: int, steps: int, threads: int, out: dict) -> None:
+                   microbatches: int, batch: int, threads: int, conn: Connection) -> None:
+    """One rank of torch's schedule: set up, then one step per "step" received (rank 0
+    answers with the slowest rank's time) until None."""
     from torch.distributed import pipelining
 
     torch.set_num_threads(threads)
@@ -93,44 +100,92 @@ def _theirs_worker(rank: int, world: int, port: int, schedule: str, stages: list
     cls = getattr(pipelining, THEIRS[schedule])
     sched = cls(pstages[0] if schedule == "1f1b" else pstages, microbatches,
                 loss_fn=spec.loss_fn)
-    times = []
-    for _ in range(steps):
+    args = [x] if 0 in mine else []
+    kwargs = {"target": y} if len(stages) - 1 in mine else {}
+    conn.send("ready")
+    while conn.recv() is not None:
         dist.barrier()
         t0 = time.perf_counter()
-        kwargs = {}
-        if 0 in mine:
-            kwargs["x"] = x
-        if len(stages) - 1 in mine:
-            kwargs["target"] = y
-        sched.step(*([kwargs.pop("x")] if "x" in kwargs else []), **kwargs)
+        sched.step(*args, **kwargs)
         opt.step()
         opt.zero_grad(set_to_none=True)
         t = torch.tensor([time.perf_counter() - t0])
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        times.append(float(t))
-    if rank == 0:
-        out["times"] = times
+        if rank == 0:
+            conn.send(float(t))
     dist.destroy_process_group()
 
 
-def theirs(schedule: str, stages: list[list[str]], world: int, microbatches: int, batch: int,
-           steps: int) -> list[float]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with mp.Manager() as m:
-        out = m.dict()
+class Theirs:
+    """torch's schedule on `world` processes, stepped one step at a time like our `Job`."""
+
+    def __init__(self, schedule: str, stages: list[list[str]], world: int, microbatches: int,
+                 batch: int) -> None:
+        ctx = mp.get_context("spawn")
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
         threads = max(1, (os.cpu_count() or 1) // world)
-        mp.spawn(_theirs_worker, args=(world, port, schedule, stages, microbatches, batch,
-                                       steps, threads, out), nprocs=world)
-        return list(out["times"])
+        self.conns, self.procs = [], []
+        for r in range(world):
+            mine, theirs = ctx.Pipe()
+            proc = ctx.Process(target=_theirs_worker, args=(r, world, port, schedule, stages,
+                                                            microbatches, batch, threads,
+                                                            theirs), daemon=True)
+            proc.start()
+            self.conns.append(mine)
+            self.procs.append(proc)
+        for c in self.conns:
+            if c.recv() != "ready":
+                raise RuntimeError("a torch.distributed.pipelining rank failed to start")
+
+    def step(self) -> float:
+        for c in self.conns:
+            c.send("step")
+        return self.conns[0].recv()
+
+    def close(self) -> None:
+        for c in self.conns:
+            c.send(None)
+        for p in self.procs:
+            p.join(60)
+            if p.is_alive():
+                p.kill()
 
 
-def ours(spec: ModelSpec, schedule: str, stages: list[list[str]], world: int,
-         microbatches: int, batch: int, steps: int) -> list[float]:
+def cell(spec: ModelSpec, schedule: str, stages: list[list[str]], world: int,
+         microbatches: int, batch: int, warmup: int, steps: int) -> tuple[list[float],
+                                                                          list[float]]:
+    """Both systems set up side by side, then their steps alternate (the one going first
+    alternating too), so drift in the machine's speed hits both alike."""
     prog = schedules.build(schedule, stages, microbatches=microbatches, pp=world)
     plan = lower(spec, prog, world, batch)
-    return [s.time_s for s in run(spec, plan, batch_size=batch, steps=steps, seed=0).steps]
+    ours: list[float] = []
+    theirs: list[float] = []
+    with Job(spec, plan, batch_size=batch, seed=0) as job:
+        other = Theirs(schedule, stages, world, microbatches, batch)
+        try:
+            for k in range(warmup + steps):
+                if k % 2:
+                    b = other.step()
+                    a = job.step().time_s
+                else:
+                    a = job.step().time_s
+                    b = other.step()
+                if k >= warmup:
+                    ours.append(a)
+                    theirs.append(b)
+        finally:
+            other.close()
+    return ours, theirs
+
+
+def paired_ratio(ours: list[float], theirs: list[float]) -> tuple[float, float, float]:
+    """Median of the step-by-step ratios ours/theirs (neighbouring steps share the machine's
+    state of the moment), with a 95% bootstrap confidence interval of that median."""
+    r = np.array(ours) / np.array(theirs)
+    ci = bootstrap((r,), np.median, confidence_level=0.95, random_state=0).confidence_interval
+    return float(np.median(r)), float(ci.low), float(ci.high)
 
 
 def main() -> None:
@@ -139,14 +194,17 @@ def main() -> None:
     ap.add_argument("--schedules", nargs="+", default=list(THEIRS))
     ap.add_argument("--microbatches", type=int, default=8)
     ap.add_argument("--batch", type=int, default=16)
-    ap.add_argument("--steps", type=int, default=4)
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--warmup", type=int, default=2, help="steps dropped from each run")
+    ap.add_argument("--steps", type=int, default=10, help="steps measured in each run")
+    ap.add_argument("--repeats", type=int, default=3, help="fresh runs per cell")
     args = ap.parse_args()
+    ensure_ray()  # one Ray instance for every run, as on a user's cluster
     spec = load_model_file(GPT, MODEL_ARGS)
     ev = Evaluator(spec, 1, args.batch, CATALOG["cpu"])
     names = ev.captured.graph.names
-    print("| ranks | schedule | ours median step (s) | torch median step (s) | ours/torch |")
-    print("|---|---|---|---|---|")
+    print("| ranks | schedule | ours median step (s) | torch median step (s) | ours/torch | "
+          "paired ours/torch, median [95% CI] |")
+    print("|---|---|---|---|---|---|")
     for world in args.ranks:
         for schedule in args.schedules:
             v = VIRTUAL[schedule]
@@ -155,13 +213,14 @@ def main() -> None:
             a: list[float] = []
             b: list[float] = []
             for _ in range(args.repeats):
-                a += ours(spec, schedule, stages, world, args.microbatches, args.batch,
-                          args.steps)[1:]
-                b += theirs(schedule, stages, world, args.microbatches, args.batch,
-                            args.steps)[1:]
+                ours, theirs = cell(spec, schedule, stages, world, args.microbatches,
+                                    args.batch, args.warmup, args.steps)
+                a += ours
+                b += theirs
             ma, mb = statistics.median(a), statistics.median(b)
-            print(f"| {world} | {schedule} | {ma:.4f} | {mb:.4f} | {ma / mb:.3f} |",
-                  flush=True)
+            mid, lo, hi = paired_ratio(a, b)
+            print(f"| {world} | {schedule} | {ma:.4f} | {mb:.4f} | {ma / mb:.3f} | "
+                  f"{mid:.3f} [{lo:.3f}, {hi:.3f}] |", flush=True)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ import socket
 import tempfile
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Self
 
 import ray
 from ray.exceptions import RayActorError, RayError
@@ -174,7 +174,7 @@ def _free_port() -> int:
 def run(spec: ModelSpec, plan: Plan, *, batch_size: int, steps: int, seed: int,
         device: str = "cpu", address: str | None = None, timeout_s: float = 300.0
         ) -> RunResult:
-    """Train `steps` steps of `plan` on real worker processes.
+    """Train `steps` steps of `plan` on real worker processes (a `Job` from start to end).
 
     `timeout_s` bounds every collective and P2P transfer (the process groups' timeout); the
     driver waits a little longer for each phase, so a hang is reported by the rank that
@@ -182,38 +182,80 @@ def run(spec: ModelSpec, plan: Plan, *, batch_size: int, steps: int, seed: int,
     `RuntimeFailure` names the rank and the task it was running. So does Ctrl-C
     (KeyboardInterrupt, re-raised). A Ray instance this call started is shut down.
     """
-    started = ensure_ray(address)
-    world = plan.world_size
-    folder = tempfile.mkdtemp(prefix="piper-run-", dir=os.environ.get("PIPER_RUN_DIR"))
-    actors: list = []
-    try:
-        _check_cluster(world, device)
-        threads = max(1, (os.cpu_count() or 1) // world)
-        master = f"127.0.0.1:{_free_port()}"
-        gpu = 1 if device == "cuda" else 0
-        actors = [RemoteWorker.options(num_cpus=0, num_gpus=gpu).remote(
-            r, world, master, os.path.abspath(spec.path), spec.model_args, device, threads,
-            folder) for r in range(world)]
-        # setup also starts the processes and captures the model: it gets more time
-        _Waiter(max(timeout_s, SETUP_MIN_S) + DEADLINE_SLACK_S, folder)(
-            [a.setup.remote(plan, batch_size, seed, timeout_s) for a in actors], "setup")
-        wait = _Waiter(timeout_s + DEADLINE_SLACK_S, folder)
-        results, peaks, spans = [], [0] * world, ()
-        for k in range(steps):
-            outs = wait([a.step.remote() for a in actors], f"step {k}")
-            loss = sum(o.loss_sum for o in outs if o.loss_sum is not None)
-            results.append(StepResult(k, loss, max(o.time_s for o in outs)))
-            peaks = [max(p, o.peak_memory_bytes) for p, o in zip(peaks, outs)]
-            spans = tuple(Span(r, stream, t, a, b) for r, o in enumerate(outs)
-                          for stream, t, a, b in o.spans)
-        wait([a.shutdown.remote() for a in actors], "shutdown")
-        states = tuple(o.model_state_bytes for o in outs)
-        return RunResult(tuple(results), tuple(peaks), plan, spans, states)
-    finally:
-        for a in actors:  # on success too: the processes end now, not when Ray gets to it
-            ray.kill(a, no_restart=True)
-        shutil.rmtree(folder, ignore_errors=True)
-        if started:
+    with Job(spec, plan, batch_size=batch_size, seed=seed, device=device, address=address,
+             timeout_s=timeout_s) as job:
+        for _ in range(steps):
+            job.step()
+        return job.finish()
+
+
+class Job:
+    """One rank per Ray actor, set up and holding the plan's state between steps, so a
+    caller steps when it likes (`run` steps straight through; a benchmark interleaves the
+    steps of two systems). Closing kills the workers, and shuts down a Ray instance that
+    this job started."""
+
+    def __init__(self, spec: ModelSpec, plan: Plan, *, batch_size: int, seed: int,
+                 device: str = "cpu", address: str | None = None, timeout_s: float = 300.0
+                 ) -> None:
+        self.plan = plan
+        self.started = ensure_ray(address)
+        world = plan.world_size
+        self.folder = tempfile.mkdtemp(prefix="piper-run-",
+                                       dir=os.environ.get("PIPER_RUN_DIR"))
+        self.actors: list = []
+        self.results: list[StepResult] = []
+        self.peaks = [0] * world
+        self.outs: list = []
+        try:
+            _check_cluster(world, device)
+            threads = max(1, (os.cpu_count() or 1) // world)
+            master = f"127.0.0.1:{_free_port()}"
+            gpu = 1 if device == "cuda" else 0
+            self.actors = [RemoteWorker.options(num_cpus=0, num_gpus=gpu).remote(
+                r, world, master, os.path.abspath(spec.path), spec.model_args, device,
+                threads, self.folder) for r in range(world)]
+            # setup also starts the processes and captures the model: it gets more time
+            _Waiter(max(timeout_s, SETUP_MIN_S) + DEADLINE_SLACK_S, self.folder)(
+                [a.setup.remote(plan, batch_size, seed, timeout_s) for a in self.actors],
+                "setup")
+        except BaseException:
+            self.close()
+            raise
+        self.wait = _Waiter(timeout_s + DEADLINE_SLACK_S, self.folder)
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def step(self) -> StepResult:
+        """One training step on every rank: the loss summed over the output stage's ranks,
+        and the slowest rank's time."""
+        k = len(self.results)
+        self.outs = self.wait([a.step.remote() for a in self.actors], f"step {k}")
+        loss = sum(o.loss_sum for o in self.outs if o.loss_sum is not None)
+        self.results.append(StepResult(k, loss, max(o.time_s for o in self.outs)))
+        self.peaks = [max(p, o.peak_memory_bytes) for p, o in zip(self.peaks, self.outs)]
+        return self.results[-1]
+
+    def finish(self) -> RunResult:
+        """Shut the ranks down in order and report every step so far, with the last step's
+        timeline."""
+        self.wait([a.shutdown.remote() for a in self.actors], "shutdown")
+        spans = tuple(Span(r, stream, t, a, b) for r, o in enumerate(self.outs)
+                      for stream, t, a, b in o.spans)
+        return RunResult(tuple(self.results), tuple(self.peaks), self.plan, spans,
+                         tuple(o.model_state_bytes for o in self.outs))
+
+    def close(self) -> None:
+        for a in self.actors:  # on success too: the processes end now, not when Ray gets
+            ray.kill(a, no_restart=True)  # to it
+        self.actors = []
+        shutil.rmtree(self.folder, ignore_errors=True)
+        if self.started:
+            self.started = False
             ray.shutdown()
 
 

@@ -1,6 +1,6 @@
 """Step time of our pipeline schedules against torch.distributed.pipelining, same everything.
 
-    python benchmarks/vs_torch_pipelining.py --ranks 2 4 --repeats 3 --steps 10
+    python benchmarks/vs_torch_pipelining.py --ranks 2 4 --repeats 3 --steps 20
 
 Same model (examples/gpt.py, size=mini), same seed and batch, same microbatches, same stage
 boundaries (ours, balanced by cost), same threads per rank, gloo on CPU. Ours runs on Ray
@@ -133,11 +133,15 @@ class Theirs:
                                                             microbatches, batch, threads,
                                                             theirs), daemon=True)
             proc.start()
+            theirs.close()  # the child's end lives in the child only: its death ends recv()
             self.conns.append(mine)
             self.procs.append(proc)
         for c in self.conns:
-            if c.recv() != "ready":
-                raise RuntimeError("a torch.distributed.pipelining rank failed to start")
+            try:
+                c.recv()
+            except EOFError:
+                raise RuntimeError("a torch.distributed.pipelining rank failed to start"
+                                   ) from None
 
     def step(self) -> float:
         for c in self.conns:

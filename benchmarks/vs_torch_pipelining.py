@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import sys
 import time
@@ -37,7 +36,7 @@ from cost_models import CATALOG
 from piper import schedules
 from piper.model_file import ModelSpec, load_model_file
 from planner.evaluate import Evaluator
-from runtime.launcher import Job, ensure_ray, lower
+from runtime.launcher import Job, _free_port, ensure_ray, lower
 from search_spaces.partition import balanced_stages
 
 GPT = str(ROOT / "examples" / "gpt.py")
@@ -122,9 +121,7 @@ class Theirs:
     def __init__(self, schedule: str, stages: list[list[str]], world: int, microbatches: int,
                  batch: int) -> None:
         ctx = mp.get_context("spawn")
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        port = _free_port()
         threads = max(1, (os.cpu_count() or 1) // world)
         self.conns, self.procs = [], []
         for r in range(world):

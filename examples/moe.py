@@ -6,7 +6,8 @@ region holding top-k routed `piper.Experts`.
 
 Regions: `embed`, then per layer `attn.i` and `experts.i`, then `head`. `--ep E` (or the
 directive `Shard("experts.*", degree=E)`) splits every layer's experts over E data-parallel
-replicas, with all-to-all dispatch and combine; `--model-arg size=tiny|small|1b`.
+replicas, with all-to-all dispatch and combine; `--tp T` splits the attention by `TP_PLAN`,
+alone or with `--ep`; `--model-arg size=tiny|small|1b`.
 """
 
 from __future__ import annotations
@@ -42,6 +43,10 @@ CONFIGS = {
                     top_k=2, hidden=2816),
 }
 BATCH_SIZE = 16
+TP_PLAN = {  # Megatron attention (column- then row-parallel); experts are split by --ep
+    "attn.*.qkv": "colwise:3",
+    "attn.*.proj": "rowwise",
+}
 _size = "1b"
 
 

@@ -315,8 +315,6 @@ def verify(dag: TrainingDAG) -> None:
     if dag.dp % sh.ep:
         problems.append(f"expert parallelism ep={sh.ep} splits data-parallel replicas, so "
                         f"it needs Replicate with a degree divisible by {sh.ep} (dp={dag.dp})")
-    if sh.ep > 1 and sh.tp > 1:
-        problems.append("tensor and expert parallelism together are not supported yet")
     updates = [n for n in g.nodes if n.kind is Kind.UPDATE]
     if len(updates) != len(dag.stages) * dag.dp:
         problems.append(f"expected {len(dag.stages) * dag.dp} updates, got {len(updates)}")

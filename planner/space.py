@@ -33,20 +33,28 @@ def search_space(evaluator: Evaluator, gpus_per_node: int) -> tuple[PipelineSpac
 
 
 def viable(space: PipelineSpace, evaluator: Evaluator) -> tuple[PipelineSpace, list[str]]:
-    """`space` without the TP/EP degrees whose sharded capture fails; captures the others."""
+    """`space` without the TP/EP degrees whose sharded capture fails, and without the
+    (tp, ep) pairs that fail together although each degree runs alone; captures the rest.
+
+    Single degrees go first, so a failing pair never takes a good degree out with it."""
     first: dict[tuple[int, int], dict[str, Any]] = {}
     for p in space.points():
         first.setdefault((p.get("tp", 1), p.get("ep", 1)), p)
-    bad_tp, bad_ep, why = set(), set(), []
-    for (tp, ep), point in sorted(first.items()):
+    bad_tp, bad_ep, bad_pairs, why = set(), set(), [], []
+    for (tp, ep), point in sorted(first.items(), key=lambda kv: (min(kv[0]) > 1, kv[0])):
         if (tp, ep) == (1, 1) or tp in bad_tp or ep in bad_ep:
             continue
         try:
             evaluator.sharded_costs(evaluator.skeleton(space.program(**point)).sharding)
         except Infeasible as e:
-            (bad_tp if tp > 1 else bad_ep).add(tp if tp > 1 else ep)
-            why.append(f"{'tp' if tp > 1 else 'ep'}={tp if tp > 1 else ep}: {e}")
+            if tp > 1 and ep > 1:
+                bad_pairs.append((tp, ep))
+                why.append(f"tp={tp} with ep={ep}: {e}")
+            else:
+                (bad_tp if tp > 1 else bad_ep).add(tp if tp > 1 else ep)
+                why.append(f"{'tp' if tp > 1 else 'ep'}={tp if tp > 1 else ep}: {e}")
     if not why:
         return space, why
     return dataclasses.replace(space, tps=tuple(t for t in space.tps if t not in bad_tp),
-                               eps=tuple(e for e in space.eps if e not in bad_ep)), why
+                               eps=tuple(e for e in space.eps if e not in bad_ep),
+                               bad_shardings=tuple(bad_pairs)), why

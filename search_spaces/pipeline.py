@@ -66,6 +66,8 @@ class PipelineSpace(SearchSpace):
     eps: tuple[int, ...] = (1,)
     """Expert-parallel degrees to try, over `expert_regions` (regions with piper.Experts)."""
     expert_regions: tuple[str, ...] = ()
+    bad_shardings: tuple[tuple[int, int], ...] = ()
+    """(tp, ep) pairs whose degrees each run alone but the model's code not together."""
     recomputes: tuple[bool, ...] = (False,)
     """Activation recompute off/on; (False, True) doubles the space (`planner.space` asks
     for it in a real search)."""
@@ -146,8 +148,8 @@ class PipelineSpace(SearchSpace):
         dp = self.gpus // (pp * tp)
         if dp % ep:
             return f"ep={ep} does not divide dp={dp}"
-        if tp > 1 and ep > 1:
-            return "tensor and expert parallelism together are not supported yet"
+        if (tp, ep) in self.bad_shardings:
+            return f"the model does not run split tp={tp} and ep={ep} together"
         if self.batch_size % (dp * m):
             return f"dp={dp} x microbatches={m} does not divide batch {self.batch_size}"
         if zero and dp == 1:

@@ -91,6 +91,13 @@ CASES = {
                                           "--virtual-stages", "2", "--microbatches", "2"],
     "moe_ep2_pp2_dp2_dualpipev": ["--gpus", "4", "--pp", "2", "--dp", "2", "--ep", "2",
                                   "--schedule", "dualpipev", "--microbatches", "4"],
+    # both at once: TP splits attention inside each replica, EP splits the experts over
+    # replicas of equal TP index (each TP rank runs its replica's experts whole)
+    "moe_tp2_ep2_dp2_zero3": ["--gpus", "4", "--tp", "2", "--dp", "2", "--ep", "2",
+                              "--zero", "3", "--microbatches", "2"],
+    "moe_tp2_ep2_pp2_dp2_zero2_dualpipev": ["--gpus", "8", "--tp", "2", "--pp", "2", "--dp",
+                                            "2", "--ep", "2", "--zero", "2", "--schedule",
+                                            "dualpipev", "--microbatches", "4"],
     "moe_pp2_dp2_zero3_zb1p": ["--gpus", "4", "--pp", "2", "--dp", "2", "--zero", "3",
                                "--schedule", "zb1p", "--microbatches", "4"],
     # Llama: RoPE, grouped-query attention (4 query / 2 key-value heads), SwiGLU

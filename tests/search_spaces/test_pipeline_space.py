@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -201,6 +202,23 @@ def test_expert_parallel_points_split_replicas() -> None:
     assert (1, 4) in seen and (2, 2) in seen and (2, 4) not in seen
     with pytest.raises(Infeasible, match="ep=4 does not divide dp=2"):
         s.program(pp=2, microbatches=2, schedule="1f1b", ep=4)
+
+
+def test_tensor_and_expert_parallel_degrees_compose_unless_the_pair_is_excluded() -> None:
+    moe = piper.capture(load_model_file("examples/moe.py", (("size", "tiny"),)), 2).graph
+    s = PipelineSpace(regions=moe.names, region_costs=(1.0,) * len(moe.names), gpus=8,
+                      batch_size=16, schedules=("1f1b",), tps=(1, 2), eps=(1, 2),
+                      expert_regions=("experts.0", "experts.1"))
+    dag0 = piper.single_device_dag(moe)
+    both = [(p, prog) for p, prog in s.enumerate() if p["tp"] == 2 and p["ep"] == 2]
+    assert both
+    for params, prog in both:
+        dag = prog.apply(dag0)
+        assert (dag.sharding.tp, dag.sharding.ep) == (2, 2) and dag.world_size == 8
+    cut = dataclasses.replace(s, bad_shardings=((2, 2),))
+    assert {(p["tp"], p["ep"]) for p in cut.points()} == {(1, 1), (1, 2), (2, 1)}
+    with pytest.raises(Infeasible, match="tp=2 and ep=2 together"):
+        cut.program(**both[0][0])
 
 
 def test_params_of_is_the_inverse_of_sample() -> None:

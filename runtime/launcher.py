@@ -199,7 +199,7 @@ class Job:
                  device: str = "cpu", address: str | None = None, timeout_s: float = 300.0
                  ) -> None:
         self.plan = plan
-        self.started = ensure_ray(address)
+        self.started = False
         world = plan.world_size
         self.folder = tempfile.mkdtemp(prefix="piper-run-",
                                        dir=os.environ.get("PIPER_RUN_DIR"))
@@ -207,7 +207,8 @@ class Job:
         self.results: list[StepResult] = []
         self.peaks = [0] * world
         self.outs: list = []
-        try:
+        try:  # from here on, close() undoes whatever was done (folder, Ray, actors)
+            self.started = ensure_ray(address)
             _check_cluster(world, device)
             threads = max(1, (os.cpu_count() or 1) // world)
             master = f"127.0.0.1:{_free_port()}"

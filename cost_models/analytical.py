@@ -26,7 +26,7 @@ from cost_models.cluster import ClusterSpec
 from cost_models.saved import saved_bytes
 from piper.capture import Captured
 from piper.dag import Kind
-from runtime.buckets import early_stages
+from runtime.buckets import early_reduce_scatters, early_stages
 from runtime.plan import Plan, Task
 
 BACKWARD_FLOPS_RATIO = 2.0
@@ -76,13 +76,17 @@ class ModelCosts:
     """Per region, the part of both figures above that the model's outputs and the loss
     keep until backward (the output region's logits and log-softmax): kept either way,
     never rebuilt."""
+    largest_params: tuple[int, ...] = ()
+    """Per region, elements of its largest parameter tensor (a ZeRO unit is at least one
+    whole parameter); empty: unknown."""
     _ops_match: bool = field(init=False, repr=False, compare=False, hash=False, default=False)
 
     def __post_init__(self) -> None:
         n = len(self.regions)
         if not (len(self.forward_flops) == len(self.activation_bytes) == len(self.params) == n):
             raise ValueError("ModelCosts: every per-region tuple must have one entry per region")
-        for f in ("ops", "param_tensors", "recompute_bytes", "output_bytes"):
+        for f in ("ops", "param_tensors", "recompute_bytes", "output_bytes",
+                  "largest_params"):
             if getattr(self, f) and len(getattr(self, f)) != n:
                 raise ValueError(f"ModelCosts: {f} must be empty or have one entry per region")
         # op records describe `forward_flops`; figures replaced without them (a what-if
@@ -142,6 +146,12 @@ class ModelCosts:
     def params_of(self, regions: Sequence[str]) -> int:
         return self._sum(self.params, regions)
 
+    def largest_param_of(self, regions: Sequence[str]) -> int | None:
+        """Elements of the largest parameter tensor of `regions`; None: unknown."""
+        if not self.largest_params:
+            return None
+        return max((self.largest_params[self.regions.index(r)] for r in regions), default=0)
+
     @property
     def forward_flops_per_sample(self) -> float:
         return sum(self.forward_flops) / self.batch
@@ -169,6 +179,7 @@ def model_costs(captured: Captured) -> ModelCosts:
         param_tensors=tuple(len(r.params) for r in mg.regions),
         recompute_bytes=measured[1] if measured else (),
         output_bytes=measured[2] if measured else (),
+        largest_params=tuple(r.largest_param for r in mg.regions),
     )
 
 
@@ -273,9 +284,11 @@ class TaskCosts:
     """Per stage, the part of `backward_s` that re-runs the forward (`piper.Recompute`);
     empty: none. It belongs to I when the backward is split, W needs no activations."""
     bucket_bytes: int = 0
-    """All-reduce bucket cap (`Plan.bucket_bytes`); 0: one all-reduce per stage."""
+    """Bucket cap of the data-parallel collectives (`Plan.bucket_bytes`): all-reduce
+    buckets, or ZeRO's units; 0: one collective per stage."""
     early_buckets: frozenset[int] = frozenset()
-    """Stages whose buckets start inside their last backward (`runtime.buckets`)."""
+    """Stages whose all-reduce buckets (inside their last backward) or ZeRO-2/3 unit
+    reduce-scatters (inside every backward) start early (`runtime.buckets`)."""
     _bytes: dict[str, int] = field(init=False, repr=False, compare=False, hash=False)
 
     def __post_init__(self) -> None:
@@ -292,26 +305,27 @@ class TaskCosts:
             return self.cluster.send_overhead_s + self.cluster.task_overhead_s
         if k is Kind.RECV:  # dry_run adds the wait until arrival
             return self.cluster.task_overhead_s
-        if k is Kind.ALL_REDUCE and self.bucket_bytes and not task.values:
-            return self._bucketed(task) + self.cluster.task_overhead_s
         kind = _COLLECTIVE.get(k)
+        if kind is not None and self.bucket_bytes and not task.values:
+            return self._bucketed(task, kind) + self.cluster.task_overhead_s
         if kind is not None:  # ZeRO gathers parameters and scatters gradients of full size
             return comm.collective_time(kind, self.gradient_bytes[task.stage], task.group,
                                         self.cluster) + self.cluster.task_overhead_s
         raise NotImplementedError(f"no cost model for task kind {k.name} ({task.name})")
 
-    def _bucketed(self, task: Task) -> float:
-        """A bucketed all-reduce: one collective per bucket, back to back. Started early,
-        bucket j's gradients are final once backward has covered its share of the bytes
-        (backward finishes the parameters in reverse, about evenly); the task is what is
-        left after that backward ends (at least the last bucket)."""
+    def _bucketed(self, task: Task, kind: str) -> float:
+        """A bucketed collective (all-reduce buckets, or ZeRO's units): one per bucket,
+        back to back. A gradient collective started early has bucket j's gradients final
+        once backward has covered its share of the bytes (backward finishes the parameters
+        in reverse, about evenly); the task is what is left after that backward ends (at
+        least the last bucket)."""
         total = self.gradient_bytes[task.stage]
         sizes = [self.bucket_bytes] * (total // self.bucket_bytes)
         if total % self.bucket_bytes or not sizes:
             sizes.append(total % self.bucket_bytes)
-        times = [comm.collective_time(comm.ALL_REDUCE, n, task.group, self.cluster)
-                 for n in sizes]
-        if task.stage not in self.early_buckets or total == 0:
+        times = [comm.collective_time(kind, n, task.group, self.cluster) for n in sizes]
+        if (task.stage not in self.early_buckets or total == 0
+                or task.kind is Kind.ALL_GATHER):
             return sum(times)
         back = self.backward_s[task.stage] * self.cluster.runtime_compute_factor
         end, done = 0.0, 0
@@ -379,5 +393,5 @@ def task_costs(plan: Plan, costs: ModelCosts, cluster: ClusterSpec,
         value_bytes=tuple((v.name, round(v.nbytes * scale)) for v in plan.model.values),
         recompute_s=rec if again else (),
         bucket_bytes=plan.bucket_bytes,
-        early_buckets=early_stages(plan),
+        early_buckets=early_stages(plan) | early_reduce_scatters(plan),
     )

@@ -5,7 +5,8 @@ with AdamW: K = 16 bytes per parameter at ZeRO-0 (value 4 + gradient 4 + two mom
 Over N data-parallel replicas, ZeRO-1 shards the optimizer state (4 + 4 + 8/N), ZeRO-2 also
 the gradients (4 + 12/N), ZeRO-3 everything (16/N). ZeRO-3 adds the stage's gathered
 parameters while one of its chunks runs; ZeRO-2/3 add a microbatch's full gradient from its
-backward to its reduce-scatter. Activations of a microbatch live from the start of its
+backward to its reduce-scatter, or with units whose reduce-scatters start inside the
+backward (`runtime.zero`) at most two units of it. Activations of a microbatch live from the start of its
 forward to the end of its backward, which is what separates GPipe from 1F1B. They are what
 autograd saves (`cost_models.saved`); on a recomputed stage (`piper.Recompute`) a
 microbatch keeps only its regions' inputs, and a backward rebuilds one region's saved
@@ -19,6 +20,7 @@ from dataclasses import dataclass
 
 from cost_models.analytical import ModelCosts, recomputed
 from piper.dag import Kind
+from runtime.buckets import early_reduce_scatters
 from runtime.dryrun import Span
 from runtime.plan import Plan
 
@@ -107,7 +109,11 @@ class StageMemory:
 
     @staticmethod
     def of(stage_regions: Sequence[Sequence[str]], costs: ModelCosts, microbatch_size: int,
-           zero: int, recompute: Collection[int]) -> StageMemory:
+           zero: int, recompute: Collection[int], bucket_bytes: int = 0,
+           early: Collection[int] = ()) -> StageMemory:
+        """`early`: stages whose ZeRO-2/3 units of at most `bucket_bytes` (or one larger
+        parameter) start their reduce-scatters inside the backward
+        (`runtime.buckets.early_reduce_scatters`): two units' gradients alive at most."""
         again = frozenset(recompute)
         act = tuple(round(costs.activation_bytes_of(rs, microbatch_size, s in again))
                     for s, rs in enumerate(stage_regions))
@@ -115,8 +121,14 @@ class StageMemory:
                  for s, rs in enumerate(stage_regions)]
         full = tuple(costs.element_size * costs.params_of(rs) for rs in stage_regions)
         none = tuple(0 for _ in full)
+        grad = list(full if zero >= 2 else none)
+        for s in early:
+            largest = costs.largest_param_of(stage_regions[s])
+            if largest is not None:
+                unit = max(bucket_bytes, costs.element_size * largest)
+                grad[s] = min(grad[s], 2 * unit)
         return StageMemory(act, tuple(r for r, _ in extra), tuple(h for _, h in extra),
-                           full if zero == 3 else none, full if zero >= 2 else none, again)
+                           full if zero == 3 else none, tuple(grad), again)
 
     def peak(self, base: int, tasks: Iterable[tuple[Kind, int]]) -> int:
         """The highest total over `tasks` (kind, stage) run in order from `base` bytes: a
@@ -143,7 +155,8 @@ def peak_memory(plan: Plan, costs: ModelCosts, microbatch_size: int,
     (`StageMemory.peak`; under recompute: the largest region a backward rebuilds, during B
     or I; after I, W's products until W ends). `recompute` as in `activation_bytes`."""
     mem = StageMemory.of(plan.stage_regions, costs, microbatch_size, plan.zero,
-                         recomputed(plan, recompute))
+                         recomputed(plan, recompute), plan.bucket_bytes,
+                         early_reduce_scatters(plan))
     by_rank: dict[int, list[tuple[float, float, int, Span]]] = {rp.rank: [] for rp in plan.ranks}
     # ties in time (zero-length tasks) keep the executor's completion order, which is causal
     for i, s in enumerate(spans):

@@ -35,6 +35,7 @@ class Region:
     index: int
     params: tuple[str, ...]  # parameter FQNs first used here (owned by this region)
     param_numel: int
+    largest_param: int = 0  # elements of its largest parameter (a ZeRO unit holds >= one)
 
 
 @dataclass(frozen=True, slots=True)
@@ -254,7 +255,8 @@ def _regions(ep: ExportedProgram, path: str, batch: int) -> Captured:
                          f"got {sorted(names[tags[i]] for i in out_regions)}")
     regions = tuple(
         Region(name=names[t], index=i, params=tuple(owned[i]),
-               param_numel=sum(_numel(shapes[p]) for p in owned[i]))
+               param_numel=sum(_numel(shapes[p]) for p in owned[i]),
+               largest_param=max((_numel(shapes[p]) for p in owned[i]), default=0))
         for i, t in enumerate(tags))
     mg = ModelGraph(
         regions=regions,

@@ -290,7 +290,7 @@ def with_comm_stream(program: Program, zero: int = 0) -> Program:
 
 
 def with_buckets(program: Program, bucket_mb: float | None) -> Program:
-    """`program` with its data-parallel all-reduces in buckets of at most `bucket_mb` MiB
+    """`program` with its data-parallel collectives in buckets of at most `bucket_mb` MiB
     (`Replicate.bucket_mb`; None: one per stage). A program without Replicate is returned
     as is: it has no data-parallel collectives."""
     return Program([dataclasses.replace(d, bucket_mb=bucket_mb) if isinstance(d, Replicate)

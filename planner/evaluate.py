@@ -29,7 +29,7 @@ from piper.model_file import ModelSpec, load_model_file
 from piper.program import Program
 from piper.sharding import ModelSharding
 from planner.cache import EvaluationCache, evaluation_key
-from planner.memory_bound import device_peaks
+from planner.memory_bound import device_peaks, early_reduce_scatter_stages
 from planner.repeats import PlanningCapture, planning_capture
 from runtime.launcher import apply_for, program_microbatch_size
 from runtime.plan import Plan
@@ -144,11 +144,16 @@ class Evaluator:
             sharding = self._shardings[shards]
         costs = self.costs if sharding.trivial else self.sharded_costs(sharding)[0]
         again = next((d.chosen(len(regions)) for d in ds if isinstance(d, Recompute)), ())
+        orders = [d for d in ds if isinstance(d, Order)]
+        dp, zero = (rep.degree, rep.zero) if rep else (1, 0)
+        bucket = max(1, round(rep.bucket_mb * 2**20)) if rep and rep.bucket_mb else 0
+        moved = [k for d in ds if isinstance(d, Stream) for k in d.kinds.split()]
         return max(device_peaks(
-            regions, devices, [d for d in ds if isinstance(d, Order)],
-            dp=rep.degree if rep else 1, zero=rep.zero if rep else 0, costs=costs,
+            regions, devices, orders, dp=dp, zero=zero, costs=costs,
             microbatch_size=program_microbatch_size(program, self.batch_size),
-            recompute=frozenset(again)))
+            recompute=frozenset(again), bucket_bytes=bucket,
+            early=early_reduce_scatter_stages(orders, dp=dp, zero=zero, bucket_bytes=bucket,
+                                              moved=moved)))
 
     def evaluate(self, program: Program) -> Evaluation:
         """Apply, schedule and simulate `program`, or return the cached result for its key."""

@@ -15,19 +15,35 @@ from collections.abc import Collection, Sequence
 
 from cost_models.analytical import ModelCosts
 from cost_models.memory import StageMemory, zero_bytes_per_param
-from piper.dag import parse_task
+from piper.dag import Kind, parse_task
 from piper.directives import Order
+from piper.directives.stream import MOVABLE
+
+
+def early_reduce_scatter_stages(orders: Sequence[Order], *, dp: int, zero: int,
+                                bucket_bytes: int, moved: Collection[str]) -> frozenset[int]:
+    """The stages `runtime.buckets.early_reduce_scatters` finds in the Plan, from the
+    directives: ZeRO-2/3 units over dp > 1, no collective kind `moved` off the compute
+    stream (Stream), no overlapped pair in any Order, and not the stages it splits (I)."""
+    if not bucket_bytes or zero < 2 or dp == 1 or set(moved) & MOVABLE:
+        return frozenset()
+    if any(len(w) > 1 for o in orders for w in o.words):
+        return frozenset()
+    tasks = [parse_task(n)[:2] for o in orders for n in o.names]
+    return frozenset(s for _, s in tasks) - {s for k, s in tasks if k is Kind.BWD_I}
 
 
 def device_peaks(stage_regions: Sequence[Sequence[str]], stage_device: Sequence[int],
                  orders: Sequence[Order], *, dp: int, zero: int, costs: ModelCosts,
-                 microbatch_size: int, recompute: Collection[int] = ()) -> list[int]:
+                 microbatch_size: int, recompute: Collection[int] = (),
+                 bucket_bytes: int = 0, early: Collection[int] = ()) -> list[int]:
     """Per pipeline device: model state at its ZeRO stage, plus the most activations its
     Order keeps alive at once (plus ZeRO-3's gathered parameters and ZeRO-2/3's full
-    gradient while a chunk or backward runs), in bytes. Stages in `recompute` keep their
-    regions' inputs and rebuild one region at a time: the account of `StageMemory`, which
-    the simulated peak keeps too."""
-    mem = StageMemory.of(stage_regions, costs, microbatch_size, zero, recompute)
+    gradient, or two units of it on `early` stages, while a chunk or backward runs), in
+    bytes. Stages in `recompute` keep their regions' inputs and rebuild one region at a
+    time: the account of `StageMemory`, which the simulated peak keeps too."""
+    mem = StageMemory.of(stage_regions, costs, microbatch_size, zero, recompute,
+                         bucket_bytes, early)
     per_param = zero_bytes_per_param(costs.element_size, zero, dp)
     order_of = {o.device: o.names for o in orders}  # a pair: its forward first
     peaks = []

@@ -63,33 +63,35 @@ class Scored:
 
 
 def score(evaluator: Evaluator, space: SearchSpace, point: dict[str, Any]) -> Scored:
-    """Simulate the Program of `point`, and of each of its `variants` (e.g. all-reduce
-    bucket sizes), keeping the fastest; `Infeasible` (`DoesNotFit`) for a point that breaks
-    a rule (cannot fit the device) — both are cheap to find out. Variants differ only in
-    how communication overlaps, not in memory, so one bound serves them all. `Scored.point`
-    stays the sampled point (what samplers key on); summary and Program are the variant's."""
+    """Simulate the Program of `point`, and of each of its `variants` (e.g. bucket sizes)
+    that fits, keeping the fastest; `Infeasible` (`DoesNotFit`) for a point that breaks a
+    rule (none of its variants fits the device) — both are cheap to find out. Variants
+    differ in how communication overlaps and, with ZeRO, in the unsharded gradient a
+    microbatch holds (units), so each has its bound. `Scored.point` stays the sampled
+    point (what samplers key on); summary and Program are the variant's."""
     capacity = evaluator.cluster.memory_bytes
     programs = [space.program(**p) for p in space.variants(point)]
-    bound = evaluator.peak_memory_bound(programs[0])
-    if bound > capacity:
-        raise DoesNotFit(f"needs {bound / GIB:.1f} GiB on some rank (memory formulas), more "
-                         f"than the device's {capacity / GIB:.0f} GiB")
+    bounds = [evaluator.peak_memory_bound(p) for p in programs]
+    if min(bounds) > capacity:
+        raise DoesNotFit(f"needs {min(bounds) / GIB:.1f} GiB on some rank (memory formulas), "
+                         f"more than the device's {capacity / GIB:.0f} GiB")
     # the first fastest: a bucket size is kept only where it wins
-    ev = min((evaluator.evaluate(p) for p in programs),
-             key=lambda e: e.prediction.step_time_s)
+    ev = min((evaluator.evaluate(p) for p, b in zip(programs, bounds, strict=True)
+              if b <= capacity), key=lambda e: e.prediction.step_time_s)
     return Scored(dict(point), ev.summary, json.loads(ev.program.to_json()),
                   predicted_json(ev.prediction))
 
 
 def fits(evaluator: Evaluator, space: SearchSpace) -> Callable[[dict[str, Any]], bool]:
     """Whether a point can fit the device by the memory formulas (milliseconds, no
-    simulation); a point whose bound cannot be computed is let through, for its trial to
-    say why."""
+    simulation), in some variant; a point whose bound cannot be computed is let through,
+    for its trial to say why."""
     capacity = evaluator.cluster.memory_bytes
 
     def admissible(point: dict[str, Any]) -> bool:
         try:
-            return evaluator.peak_memory_bound(space.program(**point)) <= capacity
+            return min(evaluator.peak_memory_bound(space.program(**p))
+                       for p in space.variants(point)) <= capacity
         except Exception:  # noqa: BLE001 - the trial reports it
             return True
     return admissible

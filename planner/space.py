@@ -1,5 +1,5 @@
 """The space a search walks: the model's default space with activation recompute, a comm
-stream for gradient collectives and all-reduce bucket sizes as choices, less the tensor/expert-parallel degrees its code
+stream for gradient collectives and bucket sizes of data-parallel collectives as choices, less the tensor/expert-parallel degrees its code
 cannot run at.
 
 `model_space` allows a TP degree when every TP_PLAN linear divides by it, but the model's
@@ -19,12 +19,13 @@ from search_spaces import Infeasible
 from search_spaces.pipeline import PipelineSpace, model_space
 
 BUCKETS_MB = (0, 25, 100)
-"""All-reduce bucket caps tried (MiB; 0: one per stage): DDP's default and a coarser one."""
+"""Bucket caps tried (MiB; 0: one per stage): DDP's default and a coarser one; with ZeRO
+they are its units (FSDP's), whose reduce-scatters start inside the backward."""
 
 
 def search_space(evaluator: Evaluator, gpus_per_node: int) -> tuple[PipelineSpace, list[str]]:
     """The viable default space, with and without activation recompute and a comm stream,
-    with one all-reduce per stage or DDP-style buckets (`BUCKETS_MB`), and a line per
+    with one collective per stage or in buckets (`BUCKETS_MB`), and a line per
     degree left out (with the reason)."""
     ev = evaluator
     space = model_space(ev.graph, ev.region_costs(), ev.gpus, ev.batch_size, gpus_per_node)

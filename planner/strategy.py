@@ -67,9 +67,9 @@ def shorthand_program(args: argparse.Namespace, gpus: int, regions: tuple[str, .
     if bucket is not None:
         if not bucket > 0:
             raise PiperError(f"--bucket-mb must be > 0, got {bucket}")
-        if dp == 1 or args.zero:
-            raise PiperError("--bucket-mb buckets the data-parallel all-reduce: it needs "
-                             f"dp > 1 and --zero 0 (got dp={dp}, --zero {args.zero or 0})")
+        if dp == 1:
+            raise PiperError("--bucket-mb buckets the data-parallel collectives: it needs "
+                             f"dp > 1 (got dp={dp})")
         prog = schedules.with_buckets(prog, bucket)
     if getattr(args, "comm_stream", False):
         prog = schedules.with_comm_stream(prog, args.zero or 0)
@@ -92,8 +92,9 @@ def add_shorthand_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--comm-stream", action="store_true", default=False,
                    help="run gradient collectives on their own stream, overlapping backward")
     g.add_argument("--bucket-mb", type=float, metavar="MIB",
-                   help="all-reduce the gradients in buckets of at most MIB MiB, started "
-                   "during the last backward (DDP's bucket_cap_mb; dp > 1, --zero 0)")
+                   help="data-parallel collectives in buckets of at most MIB MiB (dp > 1): "
+                   "all-reduces started during the last backward (DDP's bucket_cap_mb), or "
+                   "with --zero the units ZeRO shards, gathers and reduce-scatters (FSDP's)")
     g.add_argument("--recompute", action="store_true", default=False,
                    help="activation recompute on every stage: keep each region's inputs, "
                    "rebuild its activations in backward (less memory, about one more "

@@ -7,7 +7,9 @@ the stage's last backward of the step, a post-accumulate-grad hook counts each p
 final gradient; a bucket whose gradients are all final is flattened and all-reduced
 asynchronously, in bucket order (every replica must issue the group's collectives in one
 order). `finish` starts what backward did not (unused parameters, or not armed at all),
-waits, and puts the summed gradients back.
+waits, and puts the summed gradients back. ZeRO-2/3 with a cap shards the stage in units
+of the same buckets (`runtime.zero`), whose reduce-scatters start the same way, inside every
+backward (`early_reduce_scatters`).
 """
 
 from __future__ import annotations
@@ -53,6 +55,23 @@ def early_stages(plan: Plan) -> frozenset[int]:
         t.stage for rp in plan.ranks for t in rp.stream(PAIR_STREAM)}
     return frozenset(t.stage for rp in plan.ranks for t in rp.stream(COMPUTE_STREAM)
                      if t.kind is Kind.ALL_REDUCE and not t.values and t.stage not in other)
+
+
+def early_reduce_scatters(plan: Plan) -> frozenset[int]:
+    """ZeRO-2/3 stages whose units' reduce-scatters start inside every backward
+    (`runtime.zero`): units (a bucket cap) over dp > 1 replicas, every data-parallel
+    collective of the plan on the compute stream (the hooks fire on that thread, so each
+    group's collectives keep one order on every replica), no overlapped pairs (a second
+    lane) and the backward not split. `planner.memory_bound.early_reduce_scatter_stages`
+    reads the same from a Program's directives."""
+    if not plan.bucket_bytes or plan.zero < 2 or plan.dp == 1 or plan.paired:
+        return frozenset()
+    if any(name != COMPUTE_STREAM and any(t.kind.is_collective and not t.values for t in ts)
+           for rp in plan.ranks for name, ts in rp.streams):
+        return frozenset()
+    tasks = [t for rp in plan.ranks for t in rp.tasks]
+    split = {t.stage for t in tasks if t.kind is Kind.BWD_I}
+    return frozenset(t.stage for t in tasks if t.kind is Kind.REDUCE_SCATTER) - split
 
 
 class GradBuckets:

@@ -22,7 +22,7 @@ from piper.capture import Captured, ModelGraph
 from piper.dag import Kind
 from piper.lanes import ComputeToken, computing, lane
 from piper.model_file import ModelSpec
-from runtime.buckets import GradBuckets, bucketed, early_stages
+from runtime.buckets import GradBuckets, bucketed, early_reduce_scatters, early_stages
 from runtime.memory import MemoryLedger, SavedTensors
 from runtime.plan import COMPUTE_STREAM, PAIR_STREAM, Plan, RankPlan, Task
 from runtime.recompute import recomputing
@@ -38,7 +38,8 @@ class _Saved:
     outputs: dict[str, torch.Tensor]
     loss: torch.Tensor | None = None
     deferred: WeightGradStore | None = None  # split backward: W's products, kept by I
-    flat_grad: torch.Tensor | None = None  # ZeRO: this microbatch's flat gradient, I to W
+    flat_grad: list[torch.Tensor | None] | None = None  # ZeRO: per unit, from I to W
+    views: list[torch.Tensor] = field(default_factory=list)  # ZeRO: this forward's params
     activation_bytes: int = 0  # what this chunk keeps for backward (memory ledger)
 
 
@@ -151,10 +152,10 @@ class RankExecutor:
                 first = self.rp.device * plan.dp
                 ranks = self.mesh.lift(tuple(range(first, first + plan.dp)), self.tp_rank)
                 self.sharded[s] = ShardedStage(self.params[s], plan.zero, groups[ranks],
-                                               self.rp.replica, plan.dp)
+                                               self.rp.replica, plan.dp, plan.bucket_bytes)
                 self.params[s] = []  # the full copies are released; the flat buffer rules
                 self.inputs[s] = [None if k >= 0 else t for t, k in zip(fixed, self.slot[s])]
-                self.optim[s] = spec.make_optimizer([self.sharded[s].shard])
+                self.optim[s] = spec.make_optimizer(self.sharded[s].shards)
             else:
                 self.optim[s] = spec.make_optimizer(self.params[s])
         for key, ps in self.params.items():
@@ -162,6 +163,7 @@ class RankExecutor:
                 self.optim[key] = spec.make_optimizer(ps)  # type: ignore[index]
         del model  # parameters not on this rank are released here
         self.buckets, self.arm_at = self._gradient_buckets()
+        self.early_rs = early_reduce_scatters(plan)
         torch.manual_seed(seed)
         inputs, targets = spec.batch(batch_size)
         per_replica = batch_size // plan.dp
@@ -345,7 +347,7 @@ class RankExecutor:
             self.sharded[task.stage].materialize()
         elif task.kind is Kind.REDUCE_SCATTER:
             sh = self.sharded[task.stage]
-            self.streams.keep([*sh.pending.values(), *_present(sh.full_grad)])
+            self.streams.keep(sh.pending_grads())
             sh.reduce_scatter(task.mb)
         elif task.kind is Kind.UPDATE:
             if ("tied", task.stage) in self.optim:
@@ -391,7 +393,7 @@ class RankExecutor:
 
     def _update(self, stage: int) -> None:
         if stage in self.sharded:
-            self.streams.keep(_present(self.sharded[stage].grad_shard))
+            self.streams.keep(self.sharded[stage].grad_shards())
             self.sharded[stage].step(self.optim[stage])
         else:
             self._step(stage)
@@ -427,8 +429,7 @@ class RankExecutor:
         deferred = None
         if task.stage in self.split:  # ZeRO-3 frees the gathered buffer before W
             freed = shard is not None and shard.zero == 3
-            deferred = WeightGradStore((shard.flat.untyped_storage().data_ptr(),)
-                                       if freed else ())
+            deferred = WeightGradStore(shard.storages() if freed else ())
         # what a chunk keeps has the same size for every microbatch (static shapes): it is
         # counted once per stage, through saved-tensor hooks that cost ~1% of a chunk
         counted = self.activation_bytes.get(task.stage)
@@ -438,12 +439,11 @@ class RankExecutor:
         counting = kept.counting if kept is not None else nullcontext
         with collecting(deferred), counting():
             outs = dict(zip(sm.outputs, sm.module(*args)))
-        del views
         if shard is not None and shard.zero == 3:
             shard.free()  # reshard after every chunk; backward gathers again
         for name, t in outs.items():
             acts[(name, task.mb)] = t
-        saved = _Saved(leaves, outs, deferred=deferred)
+        saved = _Saved(leaves, outs, deferred=deferred, views=views)
         if sm.model_outputs:
             out = [outs[n] for n in sm.model_outputs]
             pred = out[0] if len(out) == 1 else tuple(out)
@@ -477,15 +477,20 @@ class RankExecutor:
                 seeds.append(g)
         leaves = [x for _, x in saved.acts]
         weights = self.apart[task.stage] + (
-            [shard.flat] if shard is not None else self.params[task.stage])
+            saved.views if shard is not None else self.params[task.stage])
         armed = (task.stage, task.mb) in self.arm_at
         if armed:  # the step's last backward of the stage: buckets start as they fill
             self.buckets[task.stage].arm()
+        early = shard is not None and task.stage in self.early_rs
+        if early:  # ZeRO-2/3 units: each reduce-scatter starts once its gradient is final
+            shard.arm(saved.views)
         if roots and leaves + weights:
             # backward(inputs=...) accumulates into .grad in place, as eager training does
             torch.autograd.backward(roots, seeds, inputs=leaves + weights)
         if armed:
             self.buckets[task.stage].disarm()
+        if early:
+            shard.disarm()
         for name, x in saved.acts:
             g = torch.zeros_like(x) if x.grad is None else x.grad
             x.grad = None
@@ -493,13 +498,11 @@ class RankExecutor:
         saved.acts, saved.outputs, saved.loss = [], {}, None  # the graph is gone
         saved.activation_bytes = 0
         if shard is not None:
-            g = shard.flat.grad
-            shard.flat.grad = None
-            g = torch.zeros_like(shard.flat.data) if g is None else g
+            gs, saved.views = shard.take_grads(saved.views), []
             if task.kind is Kind.BWD_I:
-                saved.flat_grad = g  # W adds its products, then hands it over
+                saved.flat_grad = gs  # W adds its products, then hands them over
             else:
-                shard.add_grad(task.mb, g)
+                shard.add_grad(task.mb, gs)
             if shard.zero == 3:
                 shard.free()
 
@@ -510,7 +513,7 @@ class RankExecutor:
         with torch.no_grad():
             for key, g in saved.deferred.grads() if saved.deferred is not None else ():
                 if shard is not None and slot[key] >= 0:
-                    shard.view(saved.flat_grad, slot[key]).add_(g)  # type: ignore[arg-type]
+                    shard.grad_view(saved.flat_grad, slot[key]).add_(g)  # type: ignore
                     continue
                 p = fixed[key]
                 if p.grad is None:  # type: ignore[union-attr]
@@ -518,8 +521,8 @@ class RankExecutor:
                 else:
                     p.grad.add_(g)  # type: ignore[union-attr]
         if shard is not None:
-            g, saved.flat_grad = saved.flat_grad, None
-            shard.add_grad(task.mb, torch.zeros_like(shard.flat.data) if g is None else g)
+            gs, saved.flat_grad = saved.flat_grad, None
+            shard.add_grad(task.mb, shard.zero_grads() if gs is None else gs)
 
     def _all_reduce_tied(self, task: Task) -> None:
         """Sum the gradients of tied parameters over every copy (stages x replicas)."""
@@ -581,9 +584,6 @@ def _deferring(sm: StageModule) -> StageModule:
     params = {i for i, (kind, _) in enumerate(sm.inputs) if kind == "param"}
     return replace(sm, module=defer_weight_grads(sm.module, params)[0])
 
-
-def _present(t: torch.Tensor | None) -> list[torch.Tensor]:
-    return [] if t is None else [t]
 
 
 def _slice(x: Any, lo: int, hi: int, device: torch.device) -> Any:

@@ -81,7 +81,8 @@ class MemoryLedger:
         live = 0
         for sv in list(saved.values()):  # another stream may add entries meanwhile
             live += sv.activation_bytes  # what autograd saved, the outputs and inputs
-            live += _nbytes(sv.flat_grad)  # a split backward's gradient, from I to W
+            # a split backward's gradients (per ZeRO unit), from I to W
+            live += sum(_nbytes(g) for g in sv.flat_grad or ())
             live += sv.deferred.nbytes() if sv.deferred is not None else 0
         self._model_state_peak = max(self._model_state_peak, model)
         self._peak = max(self._peak, model + transient + live)

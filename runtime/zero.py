@@ -1,10 +1,19 @@
-"""ZeRO for one stage on one rank: the stage's parameters as one flat buffer, sharded over
-the stage's data-parallel group.
+"""ZeRO for one stage on one rank: the stage's parameters as flat buffers, sharded over the
+stage's data-parallel group.
 
-The flat buffer is an autograd leaf; the stage module gets views of it, so backward yields
-one flat gradient to reduce-scatter. ZeRO-3 frees the buffer's storage after every chunk and
-all-gathers it back before the next (per microbatch): views and tensors autograd saved keep
-pointing at the same storage, which holds the same values whenever it is alive.
+Each forward gives the stage module fresh leaf views of the flat buffers (`views`), so its
+backward leaves every parameter's gradient on that view, to be copied into one flat
+gradient per buffer and reduce-scattered. ZeRO-3 frees the buffers' storage after every
+chunk and all-gathers it back before the next (per microbatch): views and tensors autograd
+saved keep pointing at the same storage, which holds the same values whenever it is alive.
+
+Without a bucket cap the whole stage is one buffer (one FSDP unit). With one
+(`Replicate(zero=..., bucket_mb=...)`) consecutive parameters are grouped into units of at
+most that many bytes, in reverse order as DDP's buckets, each its own buffer and shard and
+each gathered and reduce-scattered on its own. Where backward may start collectives (`arm`),
+a unit's reduce-scatter starts as soon as backward has finished its parameters' gradients
+(a post-accumulate-grad hook per view), and its flat gradient is dropped once the next
+unit's starts: a microbatch's unsharded gradient is then never whole.
 """
 
 from __future__ import annotations
@@ -15,56 +24,30 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from runtime.buckets import bucket_indices
+
 
 def _nbytes(t: torch.Tensor | None) -> int:
     return 0 if t is None else t.numel() * t.element_size()
 
 
-class _FlatViews(torch.autograd.Function):
-    """flat -> every parameter's view of it, with one backward for all of them.
+class _Unit:
+    """Consecutive parameters of a stage as one flat buffer, padded to a multiple of the
+    group size; this rank's shard of it; the shard's gradient."""
 
-    Plain slicing gives each view its own backward, and each of those makes a zero-filled
-    gradient the size of the whole buffer to put its slice in, which autograd then sums:
-    several stage-sized temporaries per backward. Here the parameters' gradients are
-    copied into one flat gradient, the only stage-sized allocation.
-    """
-
-    @staticmethod
-    def forward(ctx: Any, flat: torch.Tensor, stage: ShardedStage) -> tuple[torch.Tensor, ...]:
-        ctx.stage = stage
-        return tuple(stage.view(flat, i) for i in range(len(stage.shapes)))
-
-    @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor, None]:
-        stage: ShardedStage = ctx.stage
-        out = torch.empty(stage.chunk * stage.size, dtype=stage.flat.dtype,
-                          device=stage.flat.device)
-        out[stage.offsets[-1] + stage.numels[-1]:].zero_()  # the padding past the last
-        for i, g in enumerate(grads):
-            if g is None:  # unused here, or left to a split backward's W
-                stage.view(out, i).zero_()
-            else:
-                stage.view(out, i).copy_(g)
-        return out, None
-
-
-class ShardedStage:
-    """Flat parameters of one stage, this rank's shard of them, and its gradient shard."""
-
-    def __init__(self, params: list[torch.nn.Parameter], zero: int, group: Any,
-                 group_rank: int, group_size: int) -> None:
-        self.zero, self.group, self.size = zero, group, group_size
+    def __init__(self, params: list[torch.nn.Parameter], first: int, zero: int, size: int,
+                 group_rank: int) -> None:
+        self.first, self.size = first, size
         self.shapes = [p.shape for p in params]
         self.numels = [p.numel() for p in params]
         self.offsets = [sum(self.numels[:i]) for i in range(len(params))]
         n = sum(self.numels)
-        self.chunk = math.ceil(n / group_size)
-        full = torch.zeros(self.chunk * group_size, dtype=params[0].dtype,
-                           device=params[0].device)
+        self.chunk = math.ceil(n / size)
+        full = torch.zeros(self.chunk * size, dtype=params[0].dtype, device=params[0].device)
         with torch.no_grad():
             torch.cat([p.detach().reshape(-1) for p in params], out=full[:n])
         lo = group_rank * self.chunk
-        self.flat = full.requires_grad_(True)
+        self.flat = full
         # ZeRO-1/2 keep the full parameters, so the shard the optimizer owns is a view of
         # them; ZeRO-3 frees the full buffer, so its shard is separate memory.
         owned = full.data[lo:lo + self.chunk]
@@ -72,64 +55,188 @@ class ShardedStage:
         self.grad_shard: torch.Tensor | None = None
         self.full_grad: torch.Tensor | None = None  # ZeRO-1 accumulates unsharded
         self.pending: dict[int, torch.Tensor] = {}  # microbatch -> its flat gradient
-        self._nbytes = _nbytes(self.flat)
-        if zero == 3:
-            self.free()
-
-    # ---- parameters -------------------------------------------------------------------
-    def views(self) -> list[torch.Tensor]:
-        """Per-parameter views of the flat buffer, made inside each forward's graph; their
-        gradients meet in one flat gradient (`_FlatViews`)."""
-        return list(_FlatViews.apply(self.flat, self))
+        self.nbytes = _nbytes(self.flat)
 
     def view(self, flat: torch.Tensor, i: int) -> torch.Tensor:
         """Parameter i's part of a flat tensor laid out like the buffer (it or a gradient)."""
         off = self.offsets[i]
         return flat[off:off + self.numels[i]].view(self.shapes[i])
 
+    def flat_grad(self, views: list[torch.Tensor]) -> torch.Tensor:
+        """One flat gradient from the gradients backward left on this unit's `views`
+        (zeros where it left none: an unused parameter, or one W will add), which it
+        takes off them."""
+        out = torch.empty(self.chunk * self.size, dtype=self.flat.dtype,
+                          device=self.flat.device)
+        out[self.offsets[-1] + self.numels[-1]:].zero_()  # the padding past the last
+        for i, v in enumerate(views):
+            if v.grad is None:
+                self.view(out, i).zero_()
+            else:
+                self.view(out, i).copy_(v.grad)
+                v.grad = None
+        return out
+
+    def add_to_shard(self, out: torch.Tensor) -> None:
+        self.grad_shard = out if self.grad_shard is None else self.grad_shard + out
+
+
+class ShardedStage:
+    """Flat parameters of one stage in units, this rank's shard of each, their gradients."""
+
+    def __init__(self, params: list[torch.nn.Parameter], zero: int, group: Any,
+                 group_rank: int, group_size: int, bucket_bytes: int = 0) -> None:
+        self.zero, self.group, self.size = zero, group, group_size
+        nbytes = [p.numel() * p.element_size() for p in params]
+        ranges = ([sorted(b) for b in bucket_indices(nbytes, bucket_bytes)] if bucket_bytes
+                  else [list(range(len(params)))])
+        self.units = [_Unit([params[i] for i in idx], idx[0], zero, group_size, group_rank)
+                      for idx in ranges]  # backward's order: the last parameters first
+        self._where = {u.first + j: (k, j) for k, u in enumerate(self.units)
+                       for j in range(len(u.shapes))}
+        self._inflight: list[tuple[_Unit, Any, torch.Tensor, torch.Tensor]] = []
+        self._hooks: list[Any] = []
+        self._early: set[int] = set()  # units whose reduce-scatter the backward started
+        if zero == 3:
+            self.free()
+
+    @property
+    def shards(self) -> list[torch.nn.Parameter]:
+        """What the optimizer updates: one shard per unit."""
+        return [u.shard for u in self.units]
+
+    # ---- parameters -------------------------------------------------------------------
+    def views(self) -> list[torch.Tensor]:
+        """Per-parameter views of the flat buffers for one forward, each a leaf of its own
+        (its gradient collects on it, and its hook fires as soon as that gradient is
+        final: a unit's reduce-scatter need not wait for the rest of the backward)."""
+        out: list[torch.Tensor] = [None] * len(self._where)  # type: ignore[list-item]
+        for u in self.units:
+            base = u.flat.detach()  # its version counter: `materialize` writes past it
+            for j in range(len(u.shapes)):
+                out[u.first + j] = u.view(base, j).requires_grad_(True)
+        return out
+
+    def _of(self, views: list[torch.Tensor], u: _Unit) -> list[torch.Tensor]:
+        return views[u.first:u.first + len(u.shapes)]
+
+    def grad_view(self, grads: list[torch.Tensor], i: int) -> torch.Tensor:
+        """Parameter i's part of per-unit flat gradients (`take_grads`' list)."""
+        k, j = self._where[i]
+        return self.units[k].view(grads[k], j)
+
+    def storages(self) -> tuple[int, ...]:
+        """Data pointers of the gathered buffers (a split backward's W must not read them)."""
+        return tuple(u.flat.untyped_storage().data_ptr() for u in self.units)
+
     def materialize(self) -> None:
-        """All-gather the shards into the flat buffer (its `.data` alias, so autograd's
-        version counter does not see the refill)."""
-        storage = self.flat.untyped_storage()
-        if storage.nbytes() == 0:
-            storage.resize_(self._nbytes)
-        src = self.shard.data if self.zero == 3 else self.shard.data.clone()  # no aliasing
-        dist.all_gather_into_tensor(self.flat.data, src, group=self.group)
+        """All-gather each unit's shards into its flat buffer (its `.data` alias, so
+        autograd's version counter does not see the refill)."""
+        for u in self.units:
+            storage = u.flat.untyped_storage()
+            if storage.nbytes() == 0:
+                storage.resize_(u.nbytes)
+            src = u.shard.data if self.zero == 3 else u.shard.data.clone()  # no aliasing
+            dist.all_gather_into_tensor(u.flat.data, src, group=self.group)
 
     def free(self) -> None:
-        self.flat.untyped_storage().resize_(0)
+        for u in self.units:
+            u.flat.untyped_storage().resize_(0)
 
     # ---- gradients --------------------------------------------------------------------
-    def add_grad(self, mb: int, flat_grad: torch.Tensor) -> None:
-        if self.zero == 1:
-            self.full_grad = flat_grad if self.full_grad is None else self.full_grad + flat_grad
-        else:
-            self.pending[mb] = flat_grad
+    def arm(self, views: list[torch.Tensor]) -> None:
+        """Reduce-scatter each unit's gradient from inside the coming backward through
+        `views`, as soon as all its parameters' gradients are in (ZeRO-2/3: one
+        microbatch's gradient is final when its backward ends)."""
+        missing = [len(u.shapes) for u in self.units]
+
+        def hook(k: int) -> Any:
+            def ready(_v: torch.Tensor) -> None:
+                missing[k] -= 1
+                if missing[k] == 0:
+                    u = self.units[k]
+                    self._early.add(k)
+                    self._start(u, u.flat_grad(self._of(views, u)))
+            return ready
+        self._hooks = [v.register_post_accumulate_grad_hook(hook(k))
+                       for k, u in enumerate(self.units) for v in self._of(views, u)]
+
+    def disarm(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
+    def _start(self, u: _Unit, g: torch.Tensor) -> None:
+        out = torch.empty(u.chunk, dtype=g.dtype, device=g.device)
+        work = dist.reduce_scatter_tensor(out, g, group=self.group, async_op=True)
+        done, self._inflight = self._inflight, [(u, work, out, g)]
+        for v, w, o, _ in done:  # the earlier units' flat gradients go once theirs are in
+            w.wait()
+            v.add_to_shard(o)
+
+    def take_grads(self, views: list[torch.Tensor]) -> list[torch.Tensor | None]:
+        """Each unit's flat gradient from the backward just run through `views` (None
+        where its reduce-scatter already started inside that backward)."""
+        out = [None if k in self._early else u.flat_grad(self._of(views, u))
+               for k, u in enumerate(self.units)]
+        self._early = set()
+        return out
+
+    def zero_grads(self) -> list[torch.Tensor | None]:
+        return [torch.zeros_like(u.flat.data) for u in self.units]
+
+    def add_grad(self, mb: int, grads: list[torch.Tensor | None]) -> None:
+        for u, g in zip(self.units, grads, strict=True):
+            if g is None:
+                continue
+            if self.zero == 1:
+                u.full_grad = g if u.full_grad is None else u.full_grad + g
+            else:
+                u.pending[mb] = g
 
     def reduce_scatter(self, mb: int) -> None:
         """Sum this microbatch's (ZeRO-2/3) or the step's (ZeRO-1) gradients over the group;
-        keep only this rank's shard of the sum."""
-        g = self.full_grad if mb < 0 else self.pending.pop(mb)
-        self.full_grad = None
-        out = torch.empty(self.chunk, dtype=g.dtype, device=g.device)
-        dist.reduce_scatter_tensor(out, g.contiguous(), group=self.group)
-        self.grad_shard = out if self.grad_shard is None else self.grad_shard + out
+        keep only this rank's shard of the sum. Units started inside backward finish here."""
+        for v, w, o, _ in self._inflight:
+            w.wait()
+            v.add_to_shard(o)
+        self._inflight = []
+        for u in self.units:
+            g = u.full_grad if mb < 0 else u.pending.pop(mb, None)
+            u.full_grad = None
+            if g is None:
+                continue  # started inside backward
+            out = torch.empty(u.chunk, dtype=g.dtype, device=g.device)
+            dist.reduce_scatter_tensor(out, g.contiguous(), group=self.group)
+            u.add_to_shard(out)
+
+    def pending_grads(self) -> list[torch.Tensor]:
+        """Unsharded gradients waiting for their reduce-scatter (a CUDA caller keeps them
+        for its streams)."""
+        return [g for u in self.units for g in (*u.pending.values(), u.full_grad)
+                if g is not None] + [g for *_, g in self._inflight]
 
     def step(self, optim: torch.optim.Optimizer) -> None:
-        self.shard.grad = self.grad_shard
+        for u in self.units:
+            u.shard.grad = u.grad_shard
+            u.grad_shard = None
         optim.step()
         optim.zero_grad(set_to_none=True)
-        self.grad_shard = None
+
+    def grad_shards(self) -> list[torch.Tensor]:
+        return [u.grad_shard for u in self.units if u.grad_shard is not None]
 
     def model_state_bytes(self) -> int:
         """Parameters (full for ZeRO-1/2, the shard for ZeRO-3) and gradients (full for
         ZeRO-1, the shard for ZeRO-2/3). Optimizer state is counted by the ledger."""
-        params = _nbytes(self.shard) if self.zero == 3 else self._nbytes
-        return params + _nbytes(self.grad_shard) + _nbytes(self.full_grad)
+        return sum((_nbytes(u.shard) if self.zero == 3 else u.nbytes) + _nbytes(u.grad_shard)
+                   + _nbytes(u.full_grad) for u in self.units)
 
     def transient_bytes(self) -> int:
         """Working buffers: ZeRO-3's gathered parameters (when alive) and per-microbatch
-        flat gradients waiting for their reduce-scatter."""
-        pending = sum(_nbytes(g) for g in self.pending.values())
-        gathered = self.flat.untyped_storage().nbytes() if self.zero == 3 else 0
+        flat gradients waiting for (or in) their reduce-scatter."""
+        pending = sum(_nbytes(g) for u in self.units for g in u.pending.values())
+        pending += sum(_nbytes(g) for *_, g in self._inflight)
+        gathered = sum(u.flat.untyped_storage().nbytes() for u in self.units
+                       ) if self.zero == 3 else 0
         return gathered + pending

@@ -49,8 +49,9 @@ class PipelineSpace(SearchSpace):
     every stage: less memory for about one more forward per backward, so it pays where
     memory, not time, is what rules points out); `comm_streams` whether the data-parallel
     collectives ride a stream of their own, overlapping the compute after them
-    (`schedules.with_comm_stream`); `buckets` the all-reduce bucket sizes in MiB, 0 for one
-    all-reduce per stage (`Replicate.bucket_mb`: buckets start inside the last backward),
+    (`schedules.with_comm_stream`); `buckets` the bucket sizes of data-parallel collectives
+    in MiB, 0 for one per stage (`Replicate.bucket_mb`: all-reduce buckets start inside the
+    last backward, ZeRO's units reduce-scatter inside every backward),
     which a search settles per point (`variants`).
     """
 
@@ -74,7 +75,7 @@ class PipelineSpace(SearchSpace):
     comm_streams: tuple[bool, ...] = (False,)
     """Gradient collectives on the compute stream / on their own (only with dp > 1)."""
     buckets: tuple[float, ...] = (0,)
-    """All-reduce bucket caps in MiB to try, 0: none (only with dp > 1 and ZeRO-0). Not a
+    """Bucket caps in MiB to try, 0: none (only with dp > 1). Not a
     grid dimension: each point's `variants`."""
 
     def grid(self) -> Mapping[str, Sequence[Any]]:
@@ -114,14 +115,15 @@ class PipelineSpace(SearchSpace):
                 for t in _feasible_tuples(self, grid_order=True)]
 
     def variants(self, point: dict[str, Any]) -> list[dict[str, Any]]:
-        """`point` and the same with each other bucket size that applies (dp > 1, ZeRO-0).
+        """`point` and the same with each other bucket size that applies (dp > 1).
 
-        A bucket size changes only the price of the all-reduce after a stage's last
-        backward (how much of it hides under that backward), and only where dp > 1 meets
-        ZeRO-0; as a sampled dimension it spread TPE's trials thin (GPT-1B x16: 2 of 5
-        seeds within 1% of the grid's optimum; BENCHMARKS.md). So a search scores every
-        size for each point it samples and keeps the fastest (`planner.search.score`), and
-        the grid's optimum is over the whole product all the same."""
+        A bucket size changes the price of the data-parallel collectives (how much of a
+        gradient collective hides under the backward that makes it) and, with ZeRO-2/3, the
+        unsharded gradient a microbatch holds (units: `runtime.zero`); as a sampled
+        dimension it spread TPE's trials thin (GPT-1B x16: 2 of 5 seeds within 1% of the
+        grid's optimum; BENCHMARKS.md). So a search scores every size that fits for each
+        point it samples and keeps the fastest (`planner.search.score`), and the grid's
+        optimum is over the whole product all the same."""
         out = [point]
         for b in self.buckets:
             other = {**point, "bucket_mb": b}
@@ -158,8 +160,8 @@ class PipelineSpace(SearchSpace):
             return "a comm stream carries data-parallel collectives; dp=1 has none"
         if comm_stream and zero == 3:  # its gradient scatters share a group with the gathers
             return "ZeRO-3's collectives stay on the compute stream (it waits for its gathers)"
-        if bucket_mb and (dp == 1 or zero):
-            return "all-reduce buckets need dp > 1 and ZeRO-0 (ZeRO shards one flat buffer)"
+        if bucket_mb and dp == 1:
+            return "buckets of data-parallel collectives need dp > 1"
         if sched == "interleaved-1f1b" and m % pp:
             return f"interleaved-1f1b needs microbatches ({m}) divisible by pp={pp}"
         if sched == "dualpipev" and m < 2 * pp:

@@ -36,13 +36,16 @@ class Replicate(Directive):
 
     ZeRO-2 and -3 act per microbatch, so they compose with any pipeline schedule.
 
-    `bucket_mb` (zero=0 only; DDP's `bucket_cap_mb`): AR(s) moves the stage's gradients as
-    several all-reduces of at most that many MiB, in reverse parameter order. When AR(s) is
-    on the compute stream and the stage's backward is not split, each bucket starts from
-    inside the stage's last backward as soon as its gradients are final, so the all-reduce
-    overlaps the rest of that backward (`runtime.buckets`). None: one all-reduce per stage,
-    after its last backward. ZeRO-1/2/3 shard one flat buffer per stage, which is their
-    bucket (as an FSDP unit is).
+    `bucket_mb` (DDP's `bucket_cap_mb`; None: one collective per stage). With zero=0, AR(s)
+    moves the stage's gradients as several all-reduces of at most that many MiB, in reverse
+    parameter order. When AR(s) is on the compute stream and the stage's backward is not
+    split, each bucket starts from inside the stage's last backward as soon as its
+    gradients are final, so the all-reduce overlaps the rest of that backward
+    (`runtime.buckets`). With ZeRO-1/2/3 the stage is sharded in units of those buckets
+    (FSDP's units; without a cap the whole stage is one), each gathered and reduce-scattered
+    on its own; ZeRO-2/3 then start each unit's reduce-scatter from inside every backward
+    under the same conditions (every data-parallel collective on the compute stream), so a
+    microbatch's unsharded gradient never lives whole (`runtime.zero`).
     """
 
     degree: int
@@ -61,9 +64,6 @@ class Replicate(Directive):
                               or not b > 0):
             raise DirectiveError(index, self, f"bucket_mb must be a number > 0 or None, "
                                  f"got {b!r}")
-        if b is not None and self.zero:
-            raise DirectiveError(index, self, "bucket_mb applies to zero=0; ZeRO-1/2/3 "
-                                 "shard one flat buffer per stage, which is their bucket")
         if dag.dp != 1 or dag.ordered:
             raise DirectiveError(index, self, "Replicate must come once, before Order")
         g = nx.DiGraph()

@@ -36,14 +36,15 @@ def costs(captured: piper.Captured) -> ModelCosts:
 @pytest.fixture(scope="session")
 def make_plan(captured: piper.Captured) -> Callable[..., Plan]:
     """`make_plan("1f1b", pp=4, microbatches=8, dp=1)`: the scheduled Plan of the tiny GPT
-    (optionally with all-reduce buckets and gradient collectives on a comm stream)."""
+    (optionally with ZeRO, buckets and gradient collectives on a comm stream)."""
     dag0 = piper.single_device_dag(captured.graph)
 
     def build(name: str, *, pp: int, microbatches: int, dp: int = 1,
-              bucket_mb: float | None = None, comm_stream: bool = False) -> Plan:
-        prog = schedules.build(name, STAGES[pp], microbatches=microbatches, dp=dp)
+              bucket_mb: float | None = None, comm_stream: bool = False, zero: int = 0
+              ) -> Plan:
+        prog = schedules.build(name, STAGES[pp], microbatches=microbatches, dp=dp, zero=zero)
         prog = schedules.with_buckets(prog, bucket_mb) if bucket_mb else prog
-        prog = schedules.with_comm_stream(prog) if comm_stream else prog
+        prog = schedules.with_comm_stream(prog, zero) if comm_stream else prog
         return schedule(prog.apply(dag0))
     return build
 

@@ -80,3 +80,31 @@ def test_early_buckets_shorten_a_communication_bound_step(bucketed, costs: Model
     one = simulate(bucketed(None), costs, c, microbatch_size=4).step_time_s
     early = simulate(bucketed(0.01), costs, c, microbatch_size=4).step_time_s
     assert early < one
+
+
+def _task(plan: Plan, kind: Kind, rank: int = 0):
+    return next(t for t in plan.ranks[rank].tasks if t.kind is kind)
+
+
+def test_zero_units_gather_one_collective_each_and_reduce_scatter_early(
+        make_plan, costs: ModelCosts, ideal_cluster):
+    from cost_models.comm import REDUCE_SCATTER, collective_time
+
+    c = _cluster(ideal_cluster, 1e-4)
+    plan = make_plan("1f1b", pp=2, microbatches=4, dp=2, zero=3, bucket_mb=0.01)
+    tc = task_costs(plan, costs, c, microbatch_size=4)
+    assert tc.early_buckets == frozenset({0, 1})
+    one = task_costs(make_plan("1f1b", pp=2, microbatches=4, dp=2, zero=3), costs, c, 4)
+    ag, rs = _task(plan, Kind.ALL_GATHER), _task(plan, Kind.REDUCE_SCATTER)
+    assert tc.duration(0, ag) > one.duration(0, ag)  # a latency per unit
+    total, cap = tc.gradient_bytes[0], plan.bucket_bytes
+    sizes = [cap] * (total // cap) + [total % cap]
+    late = sum(collective_time(REDUCE_SCATTER, n, rs.group, c) for n in sizes)
+    assert tc.duration(0, rs) < late + c.task_overhead_s  # started inside the backward
+    # on a comm stream the units wait for the task, one collective each
+    moved = make_plan("1f1b", pp=2, microbatches=4, dp=2, zero=2, bucket_mb=0.01,
+                      comm_stream=True)
+    tm = task_costs(moved, costs, c, microbatch_size=4)
+    assert tm.early_buckets == frozenset()
+    assert tm.duration(0, _task(moved, Kind.REDUCE_SCATTER)) == pytest.approx(
+        late + c.task_overhead_s)

@@ -90,3 +90,23 @@ def test_recompute_keeps_far_less_per_microbatch(make_plan: Callable[..., Plan],
     assert all(0 < k < f / 5 for s, (k, f) in enumerate(zip(kept, full, strict=True))
                if s != out)
     assert 0 < kept[out] < full[out]
+
+
+def test_zero_units_hold_two_units_of_a_microbatch_gradient(make_plan: Callable[..., Plan],
+                                                            costs: ModelCosts) -> None:
+    from cost_models.memory import StageMemory
+    from runtime.buckets import early_reduce_scatters
+
+    plan = make_plan("1f1b", pp=2, microbatches=4, dp=2, zero=3, bucket_mb=0.01)
+    early = early_reduce_scatters(plan)
+    assert early == frozenset({0, 1})
+    whole = StageMemory.of(plan.stage_regions, costs, 4, 3, ())
+    units = StageMemory.of(plan.stage_regions, costs, 4, 3, (), plan.bucket_bytes, early)
+    for s, regions in enumerate(plan.stage_regions):
+        full = costs.element_size * costs.params_of(regions)
+        unit = max(plan.bucket_bytes, costs.element_size * costs.largest_param_of(regions))
+        assert whole.grad_buf[s] == full
+        assert units.grad_buf[s] == min(full, 2 * unit) < full
+    # split backward (zb1p): W makes the gradients after autograd, so they wait whole
+    zb = make_plan("zb1p", pp=2, microbatches=4, dp=2, zero=3, bucket_mb=0.01)
+    assert early_reduce_scatters(zb) == frozenset()

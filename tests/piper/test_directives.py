@@ -237,7 +237,7 @@ def test_replica_ranks_of_one_device_are_adjacent(dag0: TrainingDAG) -> None:
     (Replicate(2, zero=4), "zero must be 0, 1, 2 or 3"),
     (Replicate(2, bucket_mb=0), "bucket_mb must be a number > 0 or None"),
     (Replicate(2, bucket_mb="25"), "bucket_mb must be a number > 0 or None"),
-    (Replicate(2, zero=2, bucket_mb=25), "bucket_mb applies to zero=0")])
+    (Replicate(2, zero=2, bucket_mb=-1), "bucket_mb must be a number > 0 or None")])
 def test_replicate_rejects_bad_degree_and_unknown_zero(
         dag0: TrainingDAG, directive: Replicate, msg: str) -> None:
     with pytest.raises(piper.DirectiveError, match=msg):

@@ -273,5 +273,8 @@ def test_score_keeps_the_fastest_bucket_size_of_a_point():
     assert s.predicted["step_time_s"] == min(times)
     fastest = variants[times.index(min(times))]
     assert s.summary["bucket_mb"] == (fastest.get("bucket_mb") or None)
-    # a ZeRO point has no bucket variants
-    assert space.variants({**point, "zero": 1}) == [{**point, "zero": 1}]
+    # a ZeRO point's bucket variants are its units; one replica has no variants at all
+    assert [v.get("bucket_mb", 0) for v in space.variants({**point, "zero": 2})] == [0, 25, 100]
+    one = Evaluator(ev.spec, 1, 32, cluster)
+    alone = {**point, "zero": 0}
+    assert search_space(one, 8)[0].variants(alone) == [alone]

@@ -59,6 +59,22 @@ CASES = {
                                     "--microbatches", "2", "--bucket-mb", "0.001"],
     "tied_pp2_dp2_buckets_zb1p": ["--gpus", "4", "--pp", "2", "--dp", "2", "--schedule",
                                   "zb1p", "--microbatches", "4", "--bucket-mb", "0.001"],
+    # ZeRO in units (FSDP's, 1 KiB: several per stage): reduce-scatters started inside
+    # every backward (compute stream, backward not split, no pairs), or at the task
+    "dp2_zero3_buckets": ["--gpus", "2", "--dp", "2", "--zero", "3", "--microbatches", "2",
+                          "--bucket-mb", "0.001"],
+    "recompute_pp2_dp2_zero3_buckets": ["--gpus", "4", "--pp", "2", "--dp", "2", "--zero",
+                                        "3", "--microbatches", "4", "--bucket-mb", "0.001",
+                                        "--recompute"],
+    "pp2_dp2_zero2_buckets_comm_stream": ["--gpus", "4", "--pp", "2", "--dp", "2", "--zero",
+                                          "2", "--microbatches", "4", "--bucket-mb", "0.001",
+                                          "--comm-stream"],
+    "pp2_dp2_zero3_buckets_zb1p": ["--gpus", "4", "--pp", "2", "--dp", "2", "--zero", "3",
+                                   "--schedule", "zb1p", "--microbatches", "4",
+                                   "--bucket-mb", "0.001"],
+    "tied_pp2_dp2_zero1_buckets_dualpipev": ["--gpus", "4", "--pp", "2", "--dp", "2",
+                                             "--zero", "1", "--schedule", "dualpipev",
+                                             "--microbatches", "4", "--bucket-mb", "0.001"],
     "tied_pp2_1f1b": ["--gpus", "2", "--pp", "2", "--microbatches", "4"],
     "tied_pp2_dp2_zero3": ["--gpus", "4", "--pp", "2", "--dp", "2", "--zero", "3",
                            "--microbatches", "2"],
@@ -118,6 +134,7 @@ OTHER_MODEL = {
     "tied_pp2_interleaved": [GPT, *TINY, "--model-arg", "tie=true"],
     "tied_pp2_dp2_zero3_dualpipev": [GPT, *TINY, "--model-arg", "tie=true"],
     "tied_pp2_dp2_buckets_zb1p": [GPT, *TINY, "--model-arg", "tie=true"],
+    "tied_pp2_dp2_zero1_buckets_dualpipev": [GPT, *TINY, "--model-arg", "tie=true"],
     "skip_pp4": [str(ROOT / "tests" / "models" / "skip_mlp.py")],
 }
 

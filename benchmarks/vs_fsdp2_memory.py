@@ -5,7 +5,9 @@
 Four CPU gloo ranks, pp=2 x dp=2 (ranks 0,1 hold stage 0, ranks 2,3 stage 1), the same model
 (examples/gpt.py, size=mini), seed, global batch, stage boundaries, microbatches and 1F1B
 schedule, AdamW. Ours: `RankExecutor` (as a Ray worker builds it) running the Plan of
-`schedules.build("1f1b", ..., zero=3)`. Theirs: each stage module wrapped by `fully_shard`
+`schedules.build("1f1b", ..., zero=3)`, as one flat buffer per stage (`ours`) and in units of
+at most `--unit-mb` MiB whose reduce-scatters start inside the backward (`ours-units`,
+`Replicate(bucket_mb=...)`). Theirs: each stage module wrapped by `fully_shard`
 over its 2-rank DP sub-mesh of `init_device_mesh("cpu", (2, 2), ("pp", "dp"))`, driven by
 `PipelineStage` + `Schedule1F1B` — once with one FSDP group per stage (our granularity: one
 flat buffer per stage) and once per block plus the stage root (torchtitan's layout).
@@ -73,9 +75,11 @@ def _ours(rank: int, plan: Plan, batch: int, ledger: TensorLedger
     def classify() -> dict[str, list[torch.Tensor | None]]:
         out: dict[str, list[torch.Tensor | None]] = {c: [] for c in CATEGORIES}
         for sh in ex.sharded.values():
-            out["sharded state"] += [sh.shard, sh.grad_shard]
-            out["gathered params"].append(sh.flat)
-            out["unsharded grads"] += [*sh.pending.values(), sh.full_grad, sh.flat.grad]
+            for u in sh.units:
+                out["sharded state"] += [u.shard, u.grad_shard]
+                out["gathered params"].append(u.flat)
+                out["unsharded grads"] += [*u.pending.values(), u.full_grad]
+            out["unsharded grads"] += [g for *_, g in sh._inflight]
         for ps in ex.params.values():  # unsharded parameters (none here: every stage is)
             out["sharded state"] += [*ps, *(p.grad for p in ps)]
         for opt in ex.optim.values():
@@ -209,7 +213,9 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--steps", type=int, default=3, help="the first is warm-up, not reported")
     ap.add_argument("--systems", nargs="+",
-                    default=["ours", "torch-stage", "torch-block"])
+                    default=["ours", "ours-units", "torch-stage", "torch-block"])
+    ap.add_argument("--unit-mb", type=float, default=1.0,
+                    help="ZeRO unit cap of ours-units (MiB)")
     args = ap.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     spec = load_model_file(GPT, MODEL_ARGS)
@@ -218,13 +224,15 @@ def main() -> None:
     stages = [[names[i] for i in r] for r in balanced_stages(ev.region_costs(), PP)]
     prog = schedules.build("1f1b", stages, microbatches=args.microbatches, dp=DP, pp=PP,
                            zero=3)
-    plan = lower(spec, prog, WORLD, args.batch)
+    plans = {"ours": lower(spec, prog, WORLD, args.batch),
+             "ours-units": lower(spec, schedules.with_buckets(prog, args.unit_mb), WORLD,
+                                 args.batch)}
     model = spec.build()
     psi = [sum(p.numel() for n, p in model.named_parameters() if _region(n) in st)
            for st in stages]
     print(f"stages: {stages}; parameters per stage: {psi}", file=sys.stderr)
-    res = {s: measure(s, plan, stages, args.batch, args.microbatches, args.steps)
-           for s in args.systems}
+    res = {s: measure(s, plans.get(s, plans["ours"]), stages, args.batch, args.microbatches,
+                      args.steps) for s in args.systems}
     report(res, psi, args)
 
 

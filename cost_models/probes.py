@@ -121,9 +121,9 @@ def _op(kind: str, numel: int, group: tuple[int, ...], groups: dict[tuple[int, .
     if kind == "all_reduce":
         return lambda: dist.all_reduce(full, group=pg)
     if kind == "all_gather":
-        return lambda: dist.all_gather_into_tensor(full, part, group=pg)
+        return lambda: dist.all_gather_single(full, part, group=pg)
     if kind == "reduce_scatter":
-        return lambda: dist.reduce_scatter_tensor(part, full, group=pg)
+        return lambda: dist.reduce_scatter_single(part, full, group=pg)
     peer = group[1] if rank == group[0] else group[0]
 
     def ping_pong() -> None:

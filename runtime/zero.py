@@ -137,7 +137,7 @@ class ShardedStage:
             if storage.nbytes() == 0:
                 storage.resize_(u.nbytes)
             src = u.shard.data if self.zero == 3 else u.shard.data.clone()  # no aliasing
-            dist.all_gather_into_tensor(u.flat.data, src, group=self.group)
+            dist.all_gather_single(u.flat.data, src, group=self.group)
 
     def free(self) -> None:
         for u in self.units:
@@ -168,7 +168,7 @@ class ShardedStage:
 
     def _start(self, u: _Unit, g: torch.Tensor) -> None:
         out = torch.empty(u.chunk, dtype=g.dtype, device=g.device)
-        work = dist.reduce_scatter_tensor(out, g, group=self.group, async_op=True)
+        work = dist.reduce_scatter_single(out, g, group=self.group, async_op=True)
         done, self._inflight = self._inflight, [(u, work, out, g)]
         for v, w, o, _ in done:  # the earlier units' flat gradients go once theirs are in
             w.wait()
@@ -207,7 +207,7 @@ class ShardedStage:
             if g is None:
                 continue  # started inside backward
             out = torch.empty(u.chunk, dtype=g.dtype, device=g.device)
-            dist.reduce_scatter_tensor(out, g.contiguous(), group=self.group)
+            dist.reduce_scatter_single(out, g.contiguous(), group=self.group)
             u.add_to_shard(out)
 
     def pending_grads(self) -> list[torch.Tensor]:

@@ -6,12 +6,9 @@ starts."""
 
 from __future__ import annotations
 
-import pytest
 import torch
-import torch.distributed as dist
 
 from runtime.buckets import GradBuckets, bucket_indices
-from runtime.launcher import _free_port
 
 
 def test_buckets_take_parameters_in_reverse_order_up_to_the_cap():
@@ -19,18 +16,6 @@ def test_buckets_take_parameters_in_reverse_order_up_to_the_cap():
     assert bucket_indices([4, 16, 4], cap=8) == [[2], [1], [0]]  # too big: alone
     assert bucket_indices([4, 4, 4], cap=100) == [[2, 1, 0]]
     assert bucket_indices([4, 4, 4], cap=1) == [[2], [1], [0]]
-
-
-@pytest.fixture
-def group():
-    if dist.is_initialized():
-        pytest.skip("a process group is already set up in this process")
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0,
-                            world_size=1)
-    try:
-        yield dist.group.WORLD
-    finally:
-        dist.destroy_process_group()
 
 
 def _mlp() -> tuple[torch.nn.Sequential, torch.Tensor]:

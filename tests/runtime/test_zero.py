@@ -9,23 +9,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 
-from runtime.launcher import _free_port
 from runtime.zero import ShardedStage
-
-
-@pytest.fixture
-def group():
-    if dist.is_initialized():
-        pytest.skip("a process group is already set up in this process")
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0,
-                            world_size=1)
-    try:
-        yield dist.group.WORLD
-    finally:
-        dist.destroy_process_group()
-
 
 LAYER = 8 * 8 * 4 + 8 * 4  # bytes of one Linear(8, 8): a unit each under this cap
 

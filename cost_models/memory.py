@@ -6,8 +6,8 @@ Over N data-parallel replicas, ZeRO-1 shards the optimizer state (4 + 4 + 8/N), 
 the gradients (4 + 12/N), ZeRO-3 everything (16/N). ZeRO-3 adds the stage's gathered
 parameters while one of its chunks runs; ZeRO-2/3 add a microbatch's full gradient from its
 backward to its reduce-scatter, or with units whose reduce-scatters start inside the
-backward (`runtime.zero`) at most two units of it. Activations of a microbatch live from the start of its
-forward to the end of its backward, which is what separates GPipe from 1F1B. They are what
+backward (`runtime.zero`) at most two units of it. Activations of a microbatch live from
+the start of its forward to the end of its backward, which is what separates GPipe from 1F1B. They are what
 autograd saves (`cost_models.saved`); on a recomputed stage (`piper.Recompute`) a
 microbatch keeps only its regions' inputs, and a backward rebuilds one region's saved
 tensors at a time.

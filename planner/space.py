@@ -1,6 +1,6 @@
 """The space a search walks: the model's default space with activation recompute, a comm
-stream for gradient collectives and bucket sizes of data-parallel collectives as choices, less the tensor/expert-parallel degrees its code
-cannot run at.
+stream for gradient collectives and bucket sizes of data-parallel collectives as choices,
+less the tensor/expert-parallel degrees (and pairs of them) its code cannot run at.
 
 `model_space` allows a TP degree when every TP_PLAN linear divides by it, but the model's
 forward may still not run split that way (attention heads fewer than the degree, a reshape

@@ -585,7 +585,6 @@ def _deferring(sm: StageModule) -> StageModule:
     return replace(sm, module=defer_weight_grads(sm.module, params)[0])
 
 
-
 def _slice(x: Any, lo: int, hi: int, device: torch.device) -> Any:
     if isinstance(x, torch.Tensor):
         return x[lo:hi].to(device)

@@ -166,13 +166,21 @@ class ShardedStage:
             h.remove()
         self._hooks = []
 
-    def _start(self, u: _Unit, g: torch.Tensor) -> None:
+    def _scatter(self, u: _Unit, g: torch.Tensor, async_op: bool) -> tuple[Any, torch.Tensor]:
+        """Start (or run) the reduce-scatter of unit `u`'s flat gradient `g`."""
         out = torch.empty(u.chunk, dtype=g.dtype, device=g.device)
-        work = dist.reduce_scatter_single(out, g, group=self.group, async_op=True)
+        return dist.reduce_scatter_single(out, g, group=self.group, async_op=async_op), out
+
+    def _start(self, u: _Unit, g: torch.Tensor) -> None:
+        work, out = self._scatter(u, g, async_op=True)
         done, self._inflight = self._inflight, [(u, work, out, g)]
-        for v, w, o, _ in done:  # the earlier units' flat gradients go once theirs are in
-            w.wait()
-            v.add_to_shard(o)
+        self._finish(done)  # the earlier units' flat gradients go once theirs are in
+
+    @staticmethod
+    def _finish(started: list[tuple[_Unit, Any, torch.Tensor, torch.Tensor]]) -> None:
+        for u, work, out, _ in started:
+            work.wait()
+            u.add_to_shard(out)
 
     def take_grads(self, views: list[torch.Tensor]) -> list[torch.Tensor | None]:
         """Each unit's flat gradient from the backward just run through `views` (None
@@ -197,18 +205,14 @@ class ShardedStage:
     def reduce_scatter(self, mb: int) -> None:
         """Sum this microbatch's (ZeRO-2/3) or the step's (ZeRO-1) gradients over the group;
         keep only this rank's shard of the sum. Units started inside backward finish here."""
-        for v, w, o, _ in self._inflight:
-            w.wait()
-            v.add_to_shard(o)
+        self._finish(self._inflight)
         self._inflight = []
         for u in self.units:
             g = u.full_grad if mb < 0 else u.pending.pop(mb, None)
             u.full_grad = None
             if g is None:
                 continue  # started inside backward
-            out = torch.empty(u.chunk, dtype=g.dtype, device=g.device)
-            dist.reduce_scatter_single(out, g.contiguous(), group=self.group)
-            u.add_to_shard(out)
+            u.add_to_shard(self._scatter(u, g.contiguous(), async_op=False)[1])
 
     def pending_grads(self) -> list[torch.Tensor]:
         """Unsharded gradients waiting for their reduce-scatter (a CUDA caller keeps them

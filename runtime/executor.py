@@ -510,16 +510,18 @@ class RankExecutor:
         """W: the weight products I deferred, summed where autograd would have put them —
         a parameter's `.grad`, or its part of the microbatch's flat gradient under ZeRO."""
         slot, fixed = self.slot[task.stage], self.inputs[task.stage]
-        with torch.no_grad():
-            for key, g in saved.deferred.grads() if saved.deferred is not None else ():
-                if shard is not None and slot[key] >= 0:
-                    shard.grad_view(saved.flat_grad, slot[key]).add_(g)  # type: ignore
-                    continue
-                p = fixed[key]
-                if p.grad is None:  # type: ignore[union-attr]
-                    p.grad = g  # type: ignore[union-attr]
-                else:
-                    p.grad.add_(g)  # type: ignore[union-attr]
+
+        def grad_of(key: int) -> torch.Tensor | None:
+            if shard is not None and slot[key] >= 0:
+                return shard.grad_view(saved.flat_grad, slot[key])  # type: ignore[arg-type]
+            return fixed[key].grad  # type: ignore[union-attr]
+
+        def set_grad(key: int, g: torch.Tensor) -> None:
+            fixed[key].grad = g  # type: ignore[union-attr]
+
+        if saved.deferred is not None:
+            with torch.no_grad():
+                saved.deferred.add_to(grad_of, set_grad)
         if shard is not None:
             gs, saved.flat_grad = saved.flat_grad, None
             shard.add_grad(task.mb, shard.zero_grads() if gs is None else gs)

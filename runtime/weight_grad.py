@@ -18,7 +18,7 @@ by I's walk, as ordinary autograd computes it.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -55,14 +55,27 @@ class WeightGradStore:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for e in self.entries for t in e[3:])
 
-    def grads(self) -> Iterator[tuple[int, torch.Tensor]]:
-        """(input position, gradient) for every deferred weight and bias, releasing each
-        entry's tensors as it goes."""
+    def add_to(self, grad_of: Callable[[int], torch.Tensor | None],
+               set_grad: Callable[[int, torch.Tensor], None]) -> None:
+        """W: add every deferred weight and bias gradient into `grad_of(input position)`,
+        or hand it to `set_grad` where there is none yet, releasing each entry's tensors as
+        it goes. A product is summed inside its GEMM (addmm_, beta = 1): no temporary the
+        size of the weight and no second pass over the gradient, about 8% of a weight
+        product on CPU."""
         while self.entries:
             kind, wkey, bkey, x, dy = self.entries.pop(0)
-            yield wkey, _weight_grad(kind, x, dy)
+            into = grad_of(wkey)
+            if into is None:
+                set_grad(wkey, _weight_grad(kind, x, dy))
+            else:
+                _weight_grad(kind, x, dy, into)
             if bkey >= 0:
-                yield bkey, dy.reshape(-1, dy.shape[-1]).sum(0)
+                db = dy.reshape(-1, dy.shape[-1]).sum(0)
+                into = grad_of(bkey)
+                if into is None:
+                    set_grad(bkey, db)
+                else:
+                    into.add_(db)
 
 
 @contextmanager
@@ -82,11 +95,15 @@ def current_store() -> WeightGradStore | None:
     return getattr(_local, "store", None)
 
 
-def _weight_grad(kind: str, x: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:
+def _weight_grad(kind: str, x: torch.Tensor, dy: torch.Tensor,
+                 into: torch.Tensor | None = None) -> torch.Tensor:
+    """dW of one matmul: new, or added into `into` by the GEMM itself."""
     if kind == "bmm":
-        return x.transpose(1, 2).bmm(dy)
+        a, b = x.transpose(1, 2), dy
+        return a.bmm(b) if into is None else into.baddbmm_(a, b)
     x2, dy2 = x.reshape(-1, x.shape[-1]), dy.reshape(-1, dy.shape[-1])
-    return dy2.t().mm(x2) if kind == "linear" else x2.t().mm(dy2)  # W is (out, in) / (in, out)
+    a, b = (dy2.t(), x2) if kind == "linear" else (x2.t(), dy2)  # W is (out, in) / (in, out)
+    return a.mm(b) if into is None else into.addmm_(a, b)
 
 
 def _input_grad(kind: str, dy: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

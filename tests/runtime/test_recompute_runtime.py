@@ -49,8 +49,8 @@ def _step(sm: StageModule, args: list[torch.Tensor], deferred: bool
     held = kept.bytes_with(outs)
     sum(o.pow(2).mean() for o in outs).backward()
     grads = {i: args[i].grad.clone() for i in params if args[i].grad is not None}
-    for i, g in store.grads() if store is not None else ():
-        grads[i] = grads[i] + g if i in grads else g
+    if store is not None:
+        store.add_to(grads.get, grads.__setitem__)
     return held, outs, grads
 
 

@@ -85,12 +85,31 @@ def test_input_pass_then_weight_pass_equals_one_backward():
                                         net.experts))
     assert len(store.entries) == 5 and store.nbytes() > 0
     by_position = dict(zip(sorted(params), args))
-    for key, g in store.grads():  # W: products only, accumulated like autograd does
-        p = by_position[key]
-        p.grad = g if p.grad is None else p.grad + g
+    # W: products only, summed into the gradients (net.w twice: a first product, then one
+    # added by its GEMM), as autograd sums them
+    store.add_to(lambda key: by_position[key].grad,
+                 lambda key, g: setattr(by_position[key], "grad", g))
     assert not store.entries, "W releases what I kept"
     for name, p in net.named_parameters():
         torch.testing.assert_close(p.grad, ref[name], msg=name)
+
+
+def test_a_second_microbatch_adds_into_the_gradients_inside_its_gemms():
+    """Every kind (linear with its bias, x @ W, bmm) summed into an existing gradient."""
+    net, x = setup()
+    ref = reference(net, x)
+    gm, args, params = exported(net, x)
+    new, _ = defer_weight_grads(gm, params)
+    by_position = dict(zip(sorted(params), args))
+    for _ in range(2):
+        store = WeightGradStore()
+        with collecting(store):
+            (y,) = new(*args, x)
+        torch.autograd.backward([y.square().sum()], inputs=args)
+        store.add_to(lambda key: by_position[key].grad,
+                     lambda key, g: setattr(by_position[key], "grad", g))
+    for name, p in net.named_parameters():
+        torch.testing.assert_close(p.grad, 2 * ref[name], msg=name)
 
 
 def test_without_a_store_the_rewritten_module_is_plain_autograd():

@@ -20,6 +20,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from functools import partial
 from typing import Any
 
 import torch
@@ -64,18 +65,15 @@ class WeightGradStore:
         product on CPU."""
         while self.entries:
             kind, wkey, bkey, x, dy = self.entries.pop(0)
-            into = grad_of(wkey)
-            if into is None:
-                set_grad(wkey, _weight_grad(kind, x, dy))
-            else:
-                _weight_grad(kind, x, dy, into)
-            if bkey >= 0:
-                db = dy.reshape(-1, dy.shape[-1]).sum(0)
-                into = grad_of(bkey)
+            for key, grad in ((wkey, partial(_weight_grad, kind, x, dy)),
+                              (bkey, partial(_bias_grad, dy))):
+                if key < 0:
+                    continue
+                into = grad_of(key)
                 if into is None:
-                    set_grad(bkey, db)
+                    set_grad(key, grad())
                 else:
-                    into.add_(db)
+                    grad(into)
 
 
 @contextmanager
@@ -104,6 +102,12 @@ def _weight_grad(kind: str, x: torch.Tensor, dy: torch.Tensor,
     x2, dy2 = x.reshape(-1, x.shape[-1]), dy.reshape(-1, dy.shape[-1])
     a, b = (dy2.t(), x2) if kind == "linear" else (x2.t(), dy2)  # W is (out, in) / (in, out)
     return a.mm(b) if into is None else into.addmm_(a, b)
+
+
+def _bias_grad(dy: torch.Tensor, into: torch.Tensor | None = None) -> torch.Tensor:
+    """db of one linear: new, or added into `into`."""
+    db = dy.reshape(-1, dy.shape[-1]).sum(0)
+    return db if into is None else into.add_(db)
 
 
 def _input_grad(kind: str, dy: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -136,7 +140,7 @@ class _WeightMatmul(torch.autograd.Function):
             ctx.store.add(ctx.kind, *ctx.keys, x, dy)  # W adds dW (and db) into the grads
             return None, dx, None, None, None, None
         dw = _weight_grad(ctx.kind, x, dy) if need_w else None
-        db = dy.reshape(-1, dy.shape[-1]).sum(0) if need_b else None
+        db = _bias_grad(dy) if need_b else None
         return None, dx, dw, db, None, None
 
 

@@ -52,6 +52,12 @@ def reference(net: Net, x: torch.Tensor) -> dict[str, torch.Tensor]:
     return out
 
 
+def weight_pass(store: WeightGradStore, by_position: dict[int, torch.Tensor]) -> None:
+    """W into the parameters' `.grad`, as the executor runs it."""
+    store.add_to(lambda key: by_position[key].grad,
+                 lambda key, g: setattr(by_position[key], "grad", g))
+
+
 def setup() -> tuple[Net, torch.Tensor]:
     torch.manual_seed(0)
     return Net(), torch.randn(3, 5, 8)
@@ -87,8 +93,7 @@ def test_input_pass_then_weight_pass_equals_one_backward():
     by_position = dict(zip(sorted(params), args))
     # W: products only, summed into the gradients (net.w twice: a first product, then one
     # added by its GEMM), as autograd sums them
-    store.add_to(lambda key: by_position[key].grad,
-                 lambda key, g: setattr(by_position[key], "grad", g))
+    weight_pass(store, by_position)
     assert not store.entries, "W releases what I kept"
     for name, p in net.named_parameters():
         torch.testing.assert_close(p.grad, ref[name], msg=name)
@@ -106,8 +111,7 @@ def test_a_second_microbatch_adds_into_the_gradients_inside_its_gemms():
         with collecting(store):
             (y,) = new(*args, x)
         torch.autograd.backward([y.square().sum()], inputs=args)
-        store.add_to(lambda key: by_position[key].grad,
-                     lambda key, g: setattr(by_position[key], "grad", g))
+        weight_pass(store, by_position)
     for name, p in net.named_parameters():
         torch.testing.assert_close(p.grad, 2 * ref[name], msg=name)
 

@@ -327,7 +327,7 @@ class RankExecutor:
                 t = store[(v, task.mb)].detach().contiguous()
                 peer = self.mesh.physical(task.peer, self.tp_rank)
                 link = self.groups[("p2p", self.rank, peer, task.grad)]
-                st.pending.append((dist.isend(t, dst=peer, group=link, tag=task.tag + k), t))
+                st.pending.append((link.isend(t, peer, task.tag + k), t))
         elif task.kind is Kind.RECV:
             works = st.posted.pop(task.tag, None) or self._post_recv(task)
             for v, (work, buf) in zip(task.values, works):
@@ -388,7 +388,7 @@ class RankExecutor:
             buf = torch.empty(info.shape, dtype=getattr(torch, info.dtype), device=self.device)
             peer = self.mesh.physical(task.peer, self.tp_rank)
             link = self.groups[("p2p", peer, self.rank, task.grad)]
-            out.append((dist.irecv(buf, src=peer, group=link, tag=task.tag + k), buf))
+            out.append((link.irecv(buf, peer, task.tag + k), buf))
         return out
 
     def _update(self, stage: int) -> None:

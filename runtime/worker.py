@@ -15,6 +15,7 @@ from piper.capture import capture
 from piper.collectives import EP_GROUP, TP_GROUP, bind_group
 from piper.model_file import load_model_file
 from runtime.executor import RankExecutor, StepOutcome
+from runtime.p2p import make_links
 from runtime.plan import PAIR_STREAM, Plan
 from runtime.progress import ProgressFile, progress_path
 
@@ -45,11 +46,13 @@ class Worker:
             backend = "nccl"
         else:
             device, backend = torch.device("cpu"), "gloo"
+        timeout = datetime.timedelta(seconds=timeout_s)
         dist.init_process_group(backend, init_method=f"tcp://{self.master}", rank=self.rank,
-                                world_size=self.world,
-                                timeout=datetime.timedelta(seconds=timeout_s))
+                                world_size=self.world, timeout=timeout)
         mesh = plan.mesh
-        groups = process_groups(plan, datetime.timedelta(seconds=timeout_s))
+        host, port = self.master.rsplit(":", 1)
+        store = dist.TCPStore(host, int(port), self.world, is_master=False, timeout=timeout)
+        groups = process_groups(plan, timeout, store)
         logical, t = mesh.split(self.rank)
         for lane in (0, 1) if plan.paired else (0,):
             def group(g: tuple[int, ...], lane: int = lane) -> Any:
@@ -82,17 +85,19 @@ class Worker:
             dist.destroy_process_group()
 
 
-def process_groups(plan: Plan, timeout: datetime.timedelta | None = None) -> dict[Any, Any]:
+def process_groups(plan: Plan, timeout: datetime.timedelta | None = None,
+                   store: dist.Store | None = None) -> dict[Any, Any]:
     """Every communicator `plan` needs, made in one order on all ranks: its collective
     groups by ranks, and one P2P link per direction and message kind, ("p2p", sender,
     receiver, grad), so opposite messages never queue on one link and the two lanes of an
-    overlapped pair never post on the same one."""
+    overlapped pair never post on the same one (`runtime.p2p`; `store`: a client of the
+    rendezvous store, which lets gloo links share one transport device)."""
     kw = {} if timeout is None else {"timeout": timeout}
     mesh = plan.mesh
     groups: dict[Any, Any] = {g: dist.new_group(list(g), **kw)
                               for g in mesh.groups(plan.groups)}
-    groups.update({("p2p", a, b, grad): dist.new_group(sorted((a, b)), **kw)
-                   for a, b, grad in mesh.p2p_links(plan.p2p_links())})
+    links = make_links(mesh.p2p_links(plan.p2p_links()), store, timeout)
+    groups.update({("p2p", *key): link for key, link in links.items()})
     if plan.paired:  # the pair lane's own in-graph communicators (piper.collectives.lane)
         groups.update({(PAIR_STREAM, g): dist.new_group(list(g), **kw)
                        for g in mesh.in_graph_groups()})

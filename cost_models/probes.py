@@ -188,8 +188,7 @@ def time_regions(spec: ModelSpec, captured: Captured, model: torch.nn.Module,
             outs = dict(zip(sm.outputs, sm.module(*args), strict=True))
             loss = None
             if sm.model_outputs:
-                out = [outs[n] for n in sm.model_outputs]
-                loss = spec.loss_fn(out[0] if len(out) == 1 else tuple(out), targets)
+                loss = spec.loss_fn(sm.model_output(outs), targets)
             t = _now(device) - t0
             if rep:
                 fwd[i].append(t)

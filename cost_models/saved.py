@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from piper.capture import Captured
-from runtime.stage_module import build_stage
+from runtime.stage_module import StageModule, build_stage
 
 _META = torch.device("meta")
 
@@ -67,13 +67,15 @@ def _region(captured: Captured, index: int) -> tuple[int, int, int]:
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         outs = dict(zip(sm.outputs, sm.module(*args)))
-    tail = _output_tail(captured, [outs[n] for n in sm.model_outputs], state | set(packed))
+    tail = _output_tail(captured, sm, outs, state | set(packed))
     return sum(packed.values()) + tail, input_bytes + tail, tail
 
 
-def _output_tail(captured: Captured, outputs: list[torch.Tensor], skip: set[int]) -> int:
+def _output_tail(captured: Captured, sm: StageModule, outs: dict[str, torch.Tensor],
+                 skip: set[int]) -> int:
     """Bytes the model's outputs and the loss on them keep until backward (kept with or
     without recompute: the loss runs outside the stage)."""
+    outputs = [outs[n] for n in sm.model_outputs]
     if not outputs:
         return 0
     packed: dict[int, int] = {}
@@ -85,7 +87,7 @@ def _output_tail(captured: Captured, outputs: list[torch.Tensor], skip: set[int]
 
     if captured.loss is not None:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            captured.loss(outputs[0] if len(outputs) == 1 else tuple(outputs), captured.targets)
+            captured.loss(sm.model_output(outs), captured.targets)
     for t in outputs:
         pack(t)
     return sum(packed.values())

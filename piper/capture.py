@@ -124,6 +124,12 @@ class Captured:
     log-softmax the size of the logits) is activation memory of the output stage."""
     targets: Any = field(default=None, compare=False)
 
+    @property
+    def out_spec(self) -> Any:
+        """The output's pytree structure (tensor, tuple, dict, ModelOutput, dataclass):
+        the output stage rebuilds it from the graph's flat outputs for `loss_fn`."""
+        return self.program.call_spec.out_spec
+
 
 def capture(spec: ModelSpec, batch: int, sharding: ModelSharding | None = None, *,
             prepare: Callable[[torch.nn.Module], None] | None = None) -> Captured:
@@ -139,7 +145,7 @@ def capture(spec: ModelSpec, batch: int, sharding: ModelSharding | None = None, 
             model = spec.build()
             if prepare is not None:
                 prepare(model)
-            inputs, targets = spec.batch(batch)
+            args, kwargs, targets = spec.example(batch)
             if sharding is not None:
                 sharding.apply(model, 0, 0)
     except PiperError:
@@ -149,7 +155,7 @@ def capture(spec: ModelSpec, batch: int, sharding: ModelSharding | None = None, 
                          f"{type(e).__name__}: {e}")
     try:
         with fx_traceback.preserve_node_meta(), counting_regions():
-            ep = torch.export.export(model, inputs, strict=False)
+            ep = torch.export.export(model, args, kwargs, strict=False)
     except Exception as e:  # noqa: BLE001 - user code
         msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
         raise PiperError(f"{spec.path}: capturing the model failed: {type(e).__name__}: {msg}")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -15,10 +15,27 @@ from piper.pyfile import import_user_file
 DEFAULT_BATCH_SIZE = 16
 
 
-def default_loss(output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy over every position (logits last dim is the class dim)."""
-    return torch.nn.functional.cross_entropy(output.reshape(-1, output.shape[-1]),
+def default_loss(output: Any, targets: Any) -> torch.Tensor:
+    """The model's own loss when it returns one (`output.loss` or `output["loss"]`, as a
+    Hugging Face model given `labels` does); else mean cross-entropy over every position of
+    the logits (the output, its `logits`, or its first element; last dim = classes)."""
+    own = _field(output, "loss")
+    if isinstance(own, torch.Tensor):
+        return own
+    logits = output if isinstance(output, torch.Tensor) else _field(output, "logits")
+    if logits is None and isinstance(output, (tuple, list)) and output:
+        logits = output[0]
+    if not isinstance(logits, torch.Tensor) or targets is None:
+        raise PiperError("the model returns no loss and no logits with targets to score: "
+                         "define loss_fn(output, targets) in the model file")
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
                                              targets.reshape(-1))
+
+
+def _field(output: Any, name: str) -> Any:
+    if isinstance(output, Mapping):  # dicts and Hugging Face ModelOutputs
+        return output.get(name)
+    return getattr(output, name, None) if not isinstance(output, torch.Tensor) else None
 
 
 def default_optimizer(params: Any) -> torch.optim.Optimizer:
@@ -41,22 +58,36 @@ class ModelSpec:
 
     def build(self) -> torch.nn.Module:
         try:
-            return self.build_model(**dict(self.model_args))
+            model = self.build_model(**dict(self.model_args))
         except TypeError as e:
             raise PiperError(f"{self.path}: build_model({_fmt(self.model_args)}) failed: {e}")
+        config = getattr(model, "config", None)
+        if getattr(config, "use_cache", False):  # a Hugging Face model: training keeps no
+            config.use_cache = False  # key/value cache (nor returns one to capture)
+        return model
 
-    def batch(self, batch_size: int) -> tuple[tuple[torch.Tensor, ...], Any]:
-        """(inputs as a tuple, targets)."""
+    def example(self, batch_size: int) -> tuple[tuple[Any, ...], dict[str, Any], Any]:
+        """(positional inputs, keyword inputs, targets): `example_batch`'s inputs may be a
+        tensor, a tuple of tensors or a dict of tensors (keyword arguments of forward, as
+        Hugging Face models take `input_ids`, `attention_mask`, `labels`)."""
         out = self.example_batch(batch_size)
         if not (isinstance(out, tuple) and len(out) == 2):
             raise PiperError(f"{self.path}: example_batch must return (inputs, targets)")
         inputs, targets = out
-        inputs = inputs if isinstance(inputs, tuple) else (inputs,)
-        for t in inputs:
+        if isinstance(inputs, Mapping):
+            args, kwargs = (), dict(inputs)
+        else:
+            args, kwargs = (inputs if isinstance(inputs, tuple) else (inputs,)), {}
+        for key, t in [*enumerate(args), *kwargs.items()]:
             if not isinstance(t, torch.Tensor) or t.dim() == 0 or t.shape[0] != batch_size:
-                raise PiperError(f"{self.path}: example_batch({batch_size}) inputs must be "
-                                 f"tensors with batch dimension {batch_size} first")
-        return inputs, targets
+                raise PiperError(f"{self.path}: example_batch({batch_size}) input {key!r} "
+                                 f"must be a tensor with batch dimension {batch_size} first")
+        return args, kwargs, targets
+
+    def batch(self, batch_size: int) -> tuple[tuple[torch.Tensor, ...], Any]:
+        """(inputs flattened in the order the captured graph takes them, targets)."""
+        args, kwargs, targets = self.example(batch_size)
+        return (*args, *kwargs.values()), targets
 
 
 def _tp_plan(path: str | Path, plan: Any) -> tuple[tuple[str, str], ...]:

@@ -445,8 +445,7 @@ class RankExecutor:
             acts[(name, task.mb)] = t
         saved = _Saved(leaves, outs, deferred=deferred, views=views)
         if sm.model_outputs:
-            out = [outs[n] for n in sm.model_outputs]
-            pred = out[0] if len(out) == 1 else tuple(out)
+            pred = sm.model_output(outs)
             tgt = _slice(self.targets, lo, hi, self.device)
             with counting():  # the loss keeps a log-softmax the size of the logits
                 saved.loss = self.spec.loss_fn(pred, tgt) * self.loss_scale
@@ -578,7 +577,9 @@ def _renamed(sm: StageModule, rename: dict[str, str]) -> StageModule:
     return replace(sm, inputs=tuple((k, name(v)) if k == "act" else (k, v)  # type: ignore
                                     for k, v in sm.inputs),
                    outputs=tuple(map(name, sm.outputs)),
-                   model_outputs=tuple(map(name, sm.model_outputs)))
+                   model_outputs=tuple(map(name, sm.model_outputs)),
+                   out_leaves=tuple((k, name(x)) if k == "value" else (k, x)
+                                    for k, x in sm.out_leaves))
 
 
 def _deferring(sm: StageModule) -> StageModule:

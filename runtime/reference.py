@@ -13,10 +13,10 @@ def reference_losses(spec: ModelSpec, *, batch_size: int, steps: int, seed: int)
     model = spec.build()
     opt = spec.make_optimizer(model.parameters())
     torch.manual_seed(seed)
-    inputs, targets = spec.batch(batch_size)
+    args, kwargs, targets = spec.example(batch_size)
     losses = []
     for _ in range(steps):
-        loss = spec.loss_fn(model(*inputs), targets)
+        loss = spec.loss_fn(model(*args, **kwargs), targets)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)

@@ -8,8 +8,10 @@ can run forward and backward of a stage on its own.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 from torch import fx
 from torch.export.graph_signature import InputKind
 
@@ -26,6 +28,14 @@ class StageModule:
     inputs: tuple[tuple[str, str | int], ...]
     outputs: tuple[str, ...]
     model_outputs: tuple[str, ...]  # the model's own outputs among them (loss input)
+    out_spec: Any = None  # the model output's pytree structure
+    out_leaves: tuple[tuple[str, Any], ...] = ()  # ("value", name) or ("const", literal)
+
+    def model_output(self, outs: dict[str, torch.Tensor]) -> Any:
+        """The model's output as its forward returned it (a ModelOutput, dict, tuple or
+        tensor), rebuilt from this stage's values."""
+        leaves = [outs[x] if kind == "value" else x for kind, x in self.out_leaves]
+        return pytree.tree_unflatten(leaves, self.out_spec)
 
 
 def build_stage(captured: Captured, regions: set[int], device: torch.device) -> StageModule:
@@ -63,18 +73,21 @@ def build_stage(captured: Captured, regions: set[int], device: torch.device) -> 
         inputs.append(src)
     for n in nodes:
         env[n] = new.node_copy(n, lambda a: env[a])
+        env[n].args = _retarget(env[n].args, device)
         env[n].kwargs = _retarget(env[n].kwargs, device)
     out_node = next(n for n in g.nodes if n.op == "output")
     model_outs = [a.name for a in out_node.all_input_nodes if a in inside]
+    leaves = tuple(("value", a.name) if isinstance(a, fx.Node) else ("const", a)
+                   for a in pytree.tree_leaves(out_node.args[0]))
     outputs = [n for n in nodes if any(u not in inside for u in n.users)]
     new.output(tuple(env[n] for n in outputs))
     gm = fx.GraphModule(torch.nn.Module(), new)
-    return StageModule(gm, tuple(inputs), tuple(n.name for n in outputs), tuple(model_outs))
+    return StageModule(gm, tuple(inputs), tuple(n.name for n in outputs), tuple(model_outs),
+                       captured.out_spec, leaves if model_outs else ())
 
 
-def _retarget(kwargs: dict, device: torch.device) -> dict:
-    """Ops traced on meta baked `device=meta` into their kwargs; point them at the real one."""
-    dev = kwargs.get("device")
-    if isinstance(dev, torch.device) and dev.type == "meta":
-        return {**kwargs, "device": device}
-    return kwargs
+def _retarget(arg: Any, device: torch.device) -> Any:
+    """Ops traced on meta baked `meta` into their arguments (`device=` of a factory, the
+    positional device of `to.device`); point them at the real one."""
+    return fx.node.map_aggregate(
+        arg, lambda a: device if isinstance(a, torch.device) and a.type == "meta" else a)

@@ -52,26 +52,36 @@ def annotate_modules(model: torch.nn.Module, regions: Mapping[str, str]) -> torc
 
     For models you cannot edit: each matching submodule's forward runs inside `annotate(name)`.
     Patterns are `fnmatch` globs over `named_modules()` paths; nested matches are skipped so a
-    block is not tagged twice. Returns the model for chaining.
+    block is not tagged twice. A name given to several modules by patterns that each match
+    one module (`{"norm": "head", "lm_head": "head"}`) is one region; a name a pattern gives
+    to many modules (`"blocks.*"`) is numbered per call, `layer.0`, `layer.1`, ... Returns
+    the model for chaining.
     """
-    tagged: list[str] = []
-    for path, module in model.named_modules():
+    tagged: list[tuple[str, str]] = []
+    numbered: set[str] = set()
+    for pat, name in regions.items():
+        hits = [p for p, _ in model.named_modules() if fnmatch.fnmatchcase(p, pat)]
+        if len(hits) > 1:
+            numbered.add(name)
+    modules = dict(model.named_modules())
+    for path in modules:
         name = next((n for pat, n in regions.items() if fnmatch.fnmatchcase(path, pat)), None)
-        if name is None or any(path.startswith(t + ".") for t in tagged):
+        if name is None or any(path.startswith(t + ".") for t, _ in tagged):
             continue
-        tagged.append(path)
-        _wrap(module, name)
+        tagged.append((path, name))
     if not tagged:
         raise ValueError(f"annotate_modules: no submodule matches {sorted(regions)}")
+    for path, name in tagged:
+        _wrap(modules[path], name, counted=name in numbered)
     return model
 
 
-def _wrap(module: torch.nn.Module, name: str) -> None:
+def _wrap(module: torch.nn.Module, name: str, counted: bool) -> None:
     stack: list[contextlib.ExitStack] = []
 
     def pre(_mod: torch.nn.Module, _args: object) -> None:
         es = contextlib.ExitStack()
-        es.enter_context(annotate(name))
+        es.enter_context(annotate(name) if counted else fixed_tag(name))
         stack.append(es)
 
     def post(_mod: torch.nn.Module, _args: object, _out: object) -> None:
@@ -79,3 +89,11 @@ def _wrap(module: torch.nn.Module, name: str) -> None:
 
     module.register_forward_pre_hook(pre)
     module.register_forward_hook(post)
+
+
+def fixed_tag(name: str) -> contextlib.AbstractContextManager:
+    """Tag ops as region `name` without numbering: every module entering it joins one
+    region."""
+    if not name or "#" in name or "/" in name:
+        raise ValueError(f"bad region name {name!r}: must be non-empty, without '#' or '/'")
+    return fx_traceback.annotate({TAG_KEY: f"{name}#0"})

@@ -16,7 +16,9 @@ from typing import Any
 
 import torch
 import torch.fx.traceback as fx_traceback
+import torch.utils._pytree as pytree
 from torch import fx
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind
 
@@ -24,6 +26,7 @@ from piper.annotate import TAG_KEY, counting_regions
 from piper.errors import PiperError
 from piper.model_file import ModelSpec
 from piper.moe import expert_modules
+from piper.regions import AutoRegions, annotate_automatically
 from piper.sharding import ModelSharding
 
 
@@ -123,6 +126,8 @@ class Captured:
     """The model file's loss and its targets on meta: what the loss keeps for backward (a
     log-softmax the size of the logits) is activation memory of the output stage."""
     targets: Any = field(default=None, compare=False)
+    auto: AutoRegions | None = field(default=None, compare=False)
+    """Automatic regions: what was chosen, for the one line that tells the user."""
 
     @property
     def out_spec(self) -> Any:
@@ -139,10 +144,30 @@ def capture(spec: ModelSpec, batch: int, sharding: ModelSharding | None = None, 
     the graph has local shapes and the in-graph collectives (what a worker executes).
     `prepare` may rewrite the freshly built model first (the planner keeps two of many
     identical layers, see `planner.repeats`, because tracing time grows with op count).
+    A model whose forward enters no region is traced again with automatic regions
+    (`piper.regions`); `Captured.auto` then says what they are.
     """
+    model, ep, targets, auto = _export(spec, batch, sharding, prepare, automatic=False)
+    if not any(_tag(n) for n in ep.graph.nodes if n.op == "call_function"):
+        model, ep, targets, auto = _export(spec, batch, sharding, prepare, automatic=True)
+    cap = _regions(ep, spec.path, batch)
+    return replace(cap, graph=replace(cap.graph, **_modules(model, cap.graph),
+                                      tp_plan=spec.tp_plan),
+                   loss=spec.loss_fn, targets=targets,
+                   auto=auto or getattr(model, "_piper_regions", None))
+
+
+def _export(spec: ModelSpec, batch: int, sharding: ModelSharding | None,
+            prepare: Callable[[torch.nn.Module], None] | None, automatic: bool
+            ) -> tuple[torch.nn.Module, ExportedProgram, Any, AutoRegions | None]:
+    auto = None
     try:
-        with torch.device("meta"):
+        # fake tensors of the device the model runs on, not meta: code that branches on
+        # `x.device.type` (Hugging Face's MoE kernels) takes the branch the run will take
+        with FakeTensorMode(allow_non_fake_inputs=False):
             model = spec.build()
+            if automatic:
+                auto = annotate_automatically(model)
             if prepare is not None:
                 prepare(model)
             args, kwargs, targets = spec.example(batch)
@@ -157,12 +182,28 @@ def capture(spec: ModelSpec, batch: int, sharding: ModelSharding | None = None, 
         with fx_traceback.preserve_node_meta(), counting_regions():
             ep = torch.export.export(model, args, kwargs, strict=False)
     except Exception as e:  # noqa: BLE001 - user code
-        msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        raise PiperError(f"{spec.path}: capturing the model failed: {type(e).__name__}: {msg}")
-    cap = _regions(ep, spec.path, batch)
-    return replace(cap, graph=replace(cap.graph, **_modules(model, cap.graph),
-                                      tp_plan=spec.tp_plan),
-                   loss=spec.loss_fn, targets=targets)
+        raise PiperError(f"{spec.path}: {_export_failure(e)}") from None
+    return model, ep, pytree.tree_map(_meta, targets), auto
+
+
+def _meta(x: Any) -> Any:
+    """A fake tensor as a plain meta tensor (the cost models compute on meta)."""
+    if isinstance(x, torch.Tensor):
+        return torch.empty_strided(tuple(x.shape), tuple(x.stride()), dtype=x.dtype,
+                                   device="meta")
+    return x
+
+
+def _export_failure(e: Exception) -> str:
+    """One line naming what torch.export could not capture, and what to do."""
+    lines = [ln.strip() for ln in str(e).strip().splitlines() if ln.strip()]
+    msg = lines[0] if lines else ""
+    where = next((ln for ln in lines if ln.startswith("File ") or "forward" in ln), "")
+    hint = ("; make forward traceable by torch.export (no data-dependent Python control "
+            "flow on tensor values, no .item()/.tolist(), outputs of tensors, tuples, dicts "
+            "or dataclasses); see docs/models.md")
+    return (f"capturing the model with torch.export failed: {type(e).__name__}: {msg}"
+            + (f" (at {where})" if where and where != msg else "") + hint)
 
 
 def _modules(model: torch.nn.Module, mg: ModelGraph) -> dict:

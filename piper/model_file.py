@@ -55,6 +55,14 @@ class ModelSpec:
                                                                   default=default_optimizer)
     batch_size: int = DEFAULT_BATCH_SIZE
     tp_plan: tuple[tuple[str, str], ...] = ()  # TP_PLAN: module glob -> tensor-parallel style
+    options: tuple[tuple[str, Any], ...] = ()  # how it was loaded (a HF model's seq_len)
+    weights: str | None = None  # a folder of *.safetensors each rank loads its part of
+    notes: tuple[str, ...] = ()  # what the user should know about how it was read
+
+    @property
+    def source(self) -> tuple[str, tuple[tuple[str, Any], ...], tuple[tuple[str, Any], ...]]:
+        """What `load_model` needs to load this spec again in another process."""
+        return str(Path(self.path).resolve()), self.model_args, self.options
 
     def build(self) -> torch.nn.Module:
         try:
@@ -128,9 +136,28 @@ def _parse_value(raw: str) -> Any:
     return {"true": True, "false": False}.get(raw.lower(), raw)
 
 
+def load_model(path: str | Path, model_args: tuple[tuple[str, Any], ...] = (),
+               options: tuple[tuple[str, Any], ...] = ()) -> ModelSpec:
+    """A model file, or a Hugging Face `config.json` / model folder (`piper.hf`)."""
+    from piper.hf import is_hf_model
+
+    if is_hf_model(path):
+        from piper.hf import load_hf_model
+
+        return load_hf_model(path, model_args, **dict(options))
+    if options:
+        raise PiperError(f"{path}: --{options[0][0].replace('_', '-')} is for Hugging Face "
+                         "models (a config.json or model folder); a model file makes its "
+                         "own batch in example_batch")
+    return load_model_file(path, model_args)
+
+
 def load_model_file(path: str | Path, model_args: tuple[tuple[str, Any], ...] = ()) -> ModelSpec:
     """Import the model file and check the contract; every problem is a `PiperError`."""
     p = Path(path)
+    if p.is_dir():
+        raise PiperError(f"{str(path)!r} is a folder without a config.json (a model folder "
+                         "is what save_pretrained writes)")
     if not p.is_file():
         raise PiperError(f"model file {str(path)!r} not found")
     module = import_user_file(p, "model file")

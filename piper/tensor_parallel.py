@@ -9,6 +9,10 @@ A model file may define `TP_PLAN = {"blocks.*.fc": "colwise", "blocks.*.out": "r
                  each rank keeps its slice of every part, so `chunk(K, -1)` stays right
     rowwise      weight columns (input features) split; the partial products leave through
                  g (all-reduce forward, identity backward); the bias is added once, after g
+    replicate    any module, kept whole on every rank, whose parameters meet sharded
+                 activations (a per-head q/k norm between column- and row-parallel layers):
+                 each parameter enters through f, so its gradient is summed over the group
+                 (Hugging Face's `replicated_with_grad_allreduce`)
 
 A column-parallel layer followed by a row-parallel one needs no communication in between,
 so each MLP or attention block costs one all-reduce forward and one backward. Code between
@@ -27,7 +31,7 @@ from torch import nn
 
 from piper.collectives import TP_GROUP, tp_copy, tp_reduce
 
-STYLES = ("colwise", "rowwise")
+STYLES = ("colwise", "rowwise", "replicate")
 
 
 def parse_style(style: str) -> tuple[str, int]:
@@ -35,17 +39,20 @@ def parse_style(style: str) -> tuple[str, int]:
     name, _, parts = style.partition(":")
     if name not in STYLES or (parts and (not parts.isdigit() or int(parts) < 1)) or (
             parts and name != "colwise"):
-        raise ValueError(f"unknown tensor-parallel style {style!r}; use colwise, colwise:K "
-                         "or rowwise")
+        raise ValueError(f"unknown tensor-parallel style {style!r}; use colwise, colwise:K, "
+                         "rowwise or replicate")
     return name, int(parts or 1)
 
 
 def plan_targets(plan: Iterable[tuple[str, str]], module_names: Iterable[str]
                  ) -> dict[str, tuple[str, int]]:
-    """Module name -> (style, parts) for every module a glob of the plan names."""
+    """Module name -> (style, parts) for every module a glob of the plan names, of the
+    styles that split a Linear (`replicate` entries split nothing: see `replicated`)."""
     names = list(module_names)
     out: dict[str, tuple[str, int]] = {}
     for pattern, style in plan:
+        if parse_style(style)[0] == "replicate":
+            continue
         hits = [n for n in names if fnmatch.fnmatchcase(n, pattern)]
         if not hits:
             raise ValueError(f"tensor-parallel plan entry {pattern!r} matches no module")
@@ -116,3 +123,32 @@ def shard_linears(model: nn.Module, plan: Iterable[tuple[str, str]], degree: int
             if b is not None:
                 m.bias = nn.Parameter(b.clone())
             m.out_features, m.in_features = w.shape
+    for pattern, style in plan:
+        if parse_style(style)[0] != "replicate":
+            continue
+        hits = [n for n in modules if fnmatch.fnmatchcase(n, pattern)]
+        if not hits:
+            raise ValueError(f"tensor-parallel plan entry {pattern!r} matches no module")
+        for n in hits:
+            modules[n].__class__ = _replicated(type(modules[n]))
+
+
+_REPLICATED: dict[type, type] = {}
+
+
+def _replicated(cls: type) -> type:
+    """`cls` whose forward sees each of its own parameters through f (identity forward,
+    gradient all-reduced over the tensor-parallel group), under the same names."""
+    if cls not in _REPLICATED:
+        def forward(self: nn.Module, *args: object, **kwargs: object) -> object:
+            own = dict(self._parameters)
+            try:
+                for k, p in own.items():
+                    if p is not None:
+                        self._parameters[k] = tp_copy(p, TP_GROUP)  # type: ignore[assignment]
+                return cls.forward(self, *args, **kwargs)
+            finally:
+                self._parameters.update(own)
+
+        _REPLICATED[cls] = type(f"Replicated{cls.__name__}", (cls,), {"forward": forward})
+    return _REPLICATED[cls]

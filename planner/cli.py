@@ -38,11 +38,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     def model_cmd(name: str, help: str) -> argparse.ArgumentParser:
         c = sub.add_parser(name, help=help)
-        c.add_argument("model", help="model file defining build_model() and example_batch()")
+        c.add_argument("model", help="model file defining build_model() and example_batch(), "
+                       "or a Hugging Face config.json / model folder")
         c.add_argument("--gpus", type=int, required=True, help="devices to plan for")
         c.add_argument("--model-arg", action="append", metavar="KEY=VALUE",
                        help="keyword argument for build_model (repeatable)")
         c.add_argument("--batch-size", type=int, help="global batch (default: BATCH_SIZE)")
+        c.add_argument("--seq-len", type=int, help="tokens per sequence (Hugging Face models; "
+                       "default: the context, at most 2048)")
         c.add_argument("--seed", type=int, default=0)
         c.add_argument("--json", action="store_true", help="print one JSON object on stdout")
         return c
@@ -141,7 +144,7 @@ def _in_file(args: argparse.Namespace | None, e: PiperError) -> str:
 
 # ---- shared --------------------------------------------------------------------------------
 def _spec(args: argparse.Namespace) -> Any:
-    from piper.model_file import load_model_file, parse_model_args
+    from piper.model_file import load_model, parse_model_args
 
     if args.gpus < 1:
         raise PiperError(f"--gpus must be >= 1, got {args.gpus}")
@@ -150,9 +153,14 @@ def _spec(args: argparse.Namespace) -> Any:
                          "cluster piper-plan plans for")
     if getattr(args, "timeout", None) is not None and not args.timeout > 0:
         raise PiperError(f"--timeout must be > 0 seconds, got {args.timeout}")
-    spec = load_model_file(args.model, parse_model_args(args.model_arg))
+    if args.seq_len is not None and args.seq_len < 1:
+        raise PiperError(f"--seq-len must be >= 1, got {args.seq_len}")
+    options = (("seq_len", args.seq_len),) if args.seq_len is not None else ()
+    spec = load_model(args.model, parse_model_args(args.model_arg), options)
     if args.batch_size is not None and args.batch_size < 1:
         raise PiperError(f"--batch-size must be >= 1, got {args.batch_size}")
+    for note in spec.notes:
+        log(note)
     return spec
 
 
@@ -195,6 +203,13 @@ def _within_node(program: Any, cluster: Any, path: str | None) -> Any:
                          f"({cluster.gpus_per_node} devices); tensor parallelism must stay "
                          "within a node")
     return program
+
+
+def _tell_regions(ev: Any) -> None:
+    """Regions chosen automatically are said once, so the user sees what was planned."""
+    note = ev.captured.regions_note()
+    if note:
+        log(note)
 
 
 def _device(args: argparse.Namespace) -> str:
@@ -254,6 +269,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     spec = _spec(args)
     cluster, _ = _cluster(args, announce=False)
     ev = Evaluator(spec, args.gpus, _batch(args, spec), cluster)
+    _tell_regions(ev)
     result = ev.evaluate(_program(args, ev))
     pred = predicted_json(result.prediction)
     if args.trace:
@@ -331,6 +347,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     check_workers(args.gpus, device, args.address)
     batch = _batch(args, spec)
     ev = Evaluator(spec, args.gpus, batch, CATALOG["cpu"])
+    if not args.json:
+        _tell_regions(ev)
     program = _program(args, ev)
     plan = lower(spec, program, args.gpus, batch)
     summary = program.summary()

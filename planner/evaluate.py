@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import os
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
@@ -25,7 +24,7 @@ from piper.directives import (
     Stream,
 )
 from piper.errors import PiperError
-from piper.model_file import ModelSpec, load_model_file
+from piper.model_file import ModelSpec, load_model
 from piper.program import Program
 from piper.sharding import ModelSharding
 from planner.cache import EvaluationCache, evaluation_key
@@ -86,13 +85,12 @@ class Evaluator:
         """Pickled for Ray workers: the model file travels as its path (functions from a
         file imported by path do not pickle), captures and sharded costs as data."""
         state = dict(self.__dict__)
-        state["spec"] = (os.path.abspath(self.spec.path), self.spec.model_args)
+        state["spec"] = self.spec.source
         state["cache"] = EvaluationCache()  # results stay where they were computed
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        path, args = state["spec"]
-        self.__dict__.update(state, spec=load_model_file(path, args))
+        self.__dict__.update(state, spec=load_model(*state["spec"]))
 
     @cached_property
     def dag(self) -> TrainingDAG:

@@ -27,6 +27,7 @@ from cost_models import ModelCosts, model_costs
 from cost_models.sharded import InGraphComm, in_graph_comm
 from piper.capture import Captured, Flow, ModelGraph, Region, Value, capture
 from piper.model_file import ModelSpec
+from piper.regions import AutoRegions
 from piper.sharding import ModelSharding
 
 KEEP = 2
@@ -55,6 +56,14 @@ class PlanningCapture:
     """In-graph collectives per region (sharded captures only)."""
     folded: tuple[Repeat, ...]
     """The repeated lists folded; empty when the whole model was traced."""
+    auto: AutoRegions | None = None
+    """Automatic regions, when the model was not tagged (`piper.regions`)."""
+
+    def regions_note(self) -> str:
+        """The line that tells the user which regions were chosen automatically."""
+        if self.auto is None:
+            return ""
+        return self.auto.describe(sum(n.startswith("layer.") for n in self.graph.names))
 
 
 def planning_capture(spec: ModelSpec, batch: int, sharding: ModelSharding | None = None, *,
@@ -84,7 +93,7 @@ def _cut_then_shard(cut: _Truncate, model: nn.Module, sharding: ModelSharding | 
 
 def _whole(cap: Captured, sharded: bool) -> PlanningCapture:
     return PlanningCapture(cap.graph, model_costs(cap), in_graph_comm(cap) if sharded else None,
-                           ())
+                           (), cap.auto)
 
 
 # ---- before tracing: cut repeated lists ----------------------------------------------------
@@ -167,7 +176,8 @@ def _grow(cap: Captured, repeats: Sequence[Repeat], sharded: bool) -> PlanningCa
     traffic = in_graph_comm(cap) if sharded else None
     n = len(cap.graph.regions)
     return PlanningCapture(graph, _per_region(costs, source, n, graph.names),
-                           _per_region(traffic, source, n) if traffic else None, tuple(repeats))
+                           _per_region(traffic, source, n) if traffic else None, tuple(repeats),
+                           cap.auto)
 
 
 def _blocks(mg: ModelGraph, repeats: Sequence[Repeat]) -> _Blocks | None:

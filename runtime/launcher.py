@@ -214,8 +214,8 @@ class Job:
             master = f"127.0.0.1:{_free_port()}"
             gpu = 1 if device == "cuda" else 0
             self.actors = [RemoteWorker.options(num_cpus=0, num_gpus=gpu).remote(
-                r, world, master, os.path.abspath(spec.path), spec.model_args, device,
-                threads, self.folder) for r in range(world)]
+                r, world, master, spec.source, device, threads, self.folder)
+                for r in range(world)]
             # setup also starts the processes and captures the model: it gets more time
             _Waiter(max(timeout_s, SETUP_MIN_S) + DEADLINE_SLACK_S, self.folder)(
                 [a.setup.remote(plan, batch_size, seed, timeout_s) for a in self.actors],

@@ -32,7 +32,7 @@ from cost_models.probes import (
 )
 from piper.capture import capture
 from piper.errors import PiperError
-from piper.model_file import ModelSpec, load_model_file
+from piper.model_file import ModelSpec, load_model
 from runtime.launcher import RuntimeFailure, _free_port, ensure_ray
 
 
@@ -51,10 +51,10 @@ class ProbePlan:
 class ProbeWorker:
     """One rank of a profile run. Methods in order: setup, comm, compute, shutdown."""
 
-    def __init__(self, rank: int, world: int, master: str, model_path: str,
-                 model_args: tuple, device: str, threads: int) -> None:
+    def __init__(self, rank: int, world: int, master: str, model: tuple, device: str,
+                 threads: int) -> None:
         self.rank, self.world, self.master = rank, world, master
-        self.model_path, self.model_args = model_path, model_args
+        self.model = model  # `ModelSpec.source`
         self.device = torch.device("cuda", 0) if device == "cuda" else torch.device("cpu")
         torch.set_num_threads(threads)
         self.groups: dict[tuple[int, ...], object] = {}
@@ -83,7 +83,7 @@ class ProbeWorker:
     def compute(self, plan: ProbePlan) -> ComputeTimings | None:
         out = None
         if self.rank == 0:
-            spec = load_model_file(self.model_path, self.model_args)
+            spec = load_model(*self.model)
             captures = [capture(spec, b) for b in plan.microbatch_sizes]
             out = time_compute(spec, captures, self.device, plan.reps)
         dist.barrier()
@@ -108,7 +108,7 @@ def measure(spec: ModelSpec, *, gpus: int, device: str, plan: ProbePlan | None =
     master = f"127.0.0.1:{_free_port()}"
     gpu = 1 if device == "cuda" else 0
     actors = [RemoteProbe.options(num_cpus=0, num_gpus=gpu).remote(
-        r, gpus, master, os.path.abspath(spec.path), spec.model_args, device, threads)
+        r, gpus, master, spec.source, device, threads)
         for r in range(gpus)]
     try:
         _gather([a.setup.remote(timeout_s) for a in actors], timeout_s, "setup")

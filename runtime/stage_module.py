@@ -86,8 +86,12 @@ def build_stage(captured: Captured, regions: set[int], device: torch.device) -> 
                        captured.out_spec, leaves if model_outs else ())
 
 
+TRACED = ("cpu", "meta")
+"""Devices a capture may bake into ops (it traces fake CPU tensors; older paths meta)."""
+
+
 def _retarget(arg: Any, device: torch.device) -> Any:
-    """Ops traced on meta baked `meta` into their arguments (`device=` of a factory, the
-    positional device of `to.device`); point them at the real one."""
+    """Ops traced on fake tensors baked the trace's device into their arguments (`device=`
+    of a factory, the positional device of `to.device`); point them at the stage's."""
     return fx.node.map_aggregate(
-        arg, lambda a: device if isinstance(a, torch.device) and a.type == "meta" else a)
+        arg, lambda a: device if isinstance(a, torch.device) and a.type in TRACED else a)

@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from piper.capture import capture
 from piper.collectives import EP_GROUP, TP_GROUP, bind_group
-from piper.model_file import load_model_file
+from piper.model_file import load_model
 from runtime.executor import RankExecutor, StepOutcome
 from runtime.p2p import make_links
 from runtime.plan import PAIR_STREAM, Plan
@@ -23,11 +23,10 @@ from runtime.progress import ProgressFile, progress_path
 class Worker:
     """One rank in its own process. Methods are called in order: setup, step*, shutdown."""
 
-    def __init__(self, rank: int, world: int, master: str, model_path: str,
-                 model_args: tuple[tuple[str, Any], ...], device: str, threads: int,
-                 progress_dir: str | None = None) -> None:
+    def __init__(self, rank: int, world: int, master: str, model: tuple, device: str,
+                 threads: int, progress_dir: str | None = None) -> None:
         self.rank, self.world, self.master = rank, world, master
-        self.model_path, self.model_args = model_path, model_args
+        self.model = model  # `ModelSpec.source`
         self.device_type = device
         torch.set_num_threads(threads)
         with contextlib.suppress(OSError):  # a cluster started elsewhere: at its niceness
@@ -62,7 +61,7 @@ class Worker:
                 bind_group(TP_GROUP, group(mesh.tp_group(logical)), lane)
             if mesh.ep > 1:
                 bind_group(EP_GROUP, group(mesh.lift(mesh.ep_group(logical), t)), lane)
-        spec = load_model_file(self.model_path, self.model_args)
+        spec = load_model(*self.model)
         mb = batch_size // (plan.dp * plan.microbatches)
         sharding = None if plan.sharding.trivial else plan.sharding
         self.ex = RankExecutor(plan, self.rank, spec, capture(spec, mb, sharding), batch_size,

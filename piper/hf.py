@@ -1,0 +1,122 @@
+"""Hugging Face models without a model file: `MODEL` is a `config.json` or a model folder.
+
+The only module of piper-plan that imports transformers (the `hf` extra). The model is
+`AutoModelForCausalLM.from_config`; its parallel structure is read as data from its config,
+as transformers declares it: regions from `base_model_pp_plan` (the entry that is a list of
+blocks gives `layer.0..N-1`, what runs before them `embed`, after them `head`, lm_head with
+it), tensor parallelism from `base_model_tp_plan`. The batch is `--batch-size` sequences of
+`--seq-len` random tokens, with `labels` = `input_ids`: the model computes the causal-LM
+loss itself (shifted inside), so no loss function is needed.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from piper.errors import PiperError
+from piper.model_file import DEFAULT_BATCH_SIZE, ModelSpec, default_loss, default_optimizer
+
+DEFAULT_SEQ_LEN = 2048
+"""Tokens per sequence when `--seq-len` is not given (capped by the config's context)."""
+
+# base_model_tp_plan styles -> ours (piper.tensor_parallel); any other style is refused by
+# name, and the model plans without tensor parallelism
+TP_STYLES = {"colwise": "colwise", "rowwise": "rowwise",
+             "replicated_with_grad_allreduce": "replicate"}
+
+
+def is_hf_model(path: str | Path) -> bool:
+    """A `config.json` file, or a folder holding one (what `save_pretrained` writes)."""
+    p = Path(path)
+    return (p.is_file() and p.suffix == ".json") or (p.is_dir() and (p / "config.json").is_file())
+
+
+def load_hf_model(path: str | Path, model_args: tuple[tuple[str, Any], ...] = (),
+                  seq_len: int | None = None) -> ModelSpec:
+    """A `ModelSpec` for the Hugging Face model at `path`; `model_args` override config
+    fields (`--model-arg num_hidden_layers=2`)."""
+    try:
+        import transformers
+    except ImportError:
+        raise PiperError(f"{path}: a Hugging Face model needs transformers: "
+                         "pip install 'piper-plan[hf]'") from None
+    p = Path(path)
+    folder = p if p.is_dir() else p.parent
+    config = _config(transformers, p, model_args)
+    limit = getattr(config, "max_position_embeddings", None) or DEFAULT_SEQ_LEN
+    seq = seq_len or min(DEFAULT_SEQ_LEN, limit)
+    if seq > limit:
+        raise PiperError(f"{path}: --seq-len {seq} is longer than the model's context "
+                         f"(max_position_embeddings {limit})")
+    vocab = int(config.vocab_size)
+    cls = transformers.AutoModelForCausalLM._model_mapping[type(config)]
+    tp_plan, notes = _tp_plan(config, getattr(cls, "base_model_prefix", "") or "")
+    weights = sorted(folder.glob("*.safetensors")) if p.is_dir() else []
+
+    def build_model() -> nn.Module:
+        model = transformers.AutoModelForCausalLM.from_config(config)
+        model.config.use_cache = False
+        return _with_regions(model, config)
+
+    def example_batch(batch_size: int) -> tuple[dict[str, torch.Tensor], None]:
+        ids = torch.randint(0, vocab, (batch_size, seq))
+        return {"input_ids": ids, "labels": ids}, None
+
+    return ModelSpec(
+        path=str(path), model_args=model_args, build_model=build_model,
+        example_batch=example_batch, loss_fn=default_loss, make_optimizer=default_optimizer,
+        batch_size=DEFAULT_BATCH_SIZE, tp_plan=tp_plan,
+        options=(("seq_len", seq),), weights=str(folder) if weights else None,
+        notes=tuple(notes))
+
+
+def _config(transformers: Any, p: Path, model_args: tuple[tuple[str, Any], ...]) -> Any:
+    try:
+        config = transformers.AutoConfig.from_pretrained(str(p), local_files_only=True)
+    except Exception as e:  # noqa: BLE001 - a config transformers cannot read
+        raise PiperError(f"{p}: not a Hugging Face config transformers can read: "
+                         f"{type(e).__name__}: {' '.join(str(e).split())[:200]}") from None
+    for key, value in model_args:
+        if not hasattr(config, key):
+            raise PiperError(f"{p}: --model-arg {key}: {type(config).__name__} has no "
+                             f"field {key!r}")
+        setattr(config, key, value)
+    if type(config) not in transformers.AutoModelForCausalLM._model_mapping:
+        raise PiperError(f"{p}: {type(config).__name__} has no causal-LM model in "
+                         f"transformers {transformers.__version__}")
+    return config
+
+
+def _tp_plan(config: Any, prefix: str) -> tuple[tuple[tuple[str, str], ...], list[str]]:
+    """`base_model_tp_plan` in our styles, under the causal LM's base-model prefix; empty
+    (and a note why) when it has a style we do not run."""
+    plan = getattr(config, "base_model_tp_plan", None) or {}
+    if not plan:
+        return (), [f"tensor parallelism: off ({type(config).__name__} has no "
+                    "base_model_tp_plan)"]
+    odd = {k: v for k, v in plan.items() if v not in TP_STYLES}
+    if odd:
+        k, v = next(iter(odd.items()))
+        return (), [f"tensor parallelism: off (base_model_tp_plan gives {k} style {v!r}; "
+                    f"supported: {', '.join(TP_STYLES)})"]
+    under = f"{prefix}." if prefix else ""
+    return tuple((f"{under}{k}", TP_STYLES[v]) for k, v in plan.items()), []
+
+
+def _with_regions(model: nn.Module, config: Any) -> nn.Module:
+    """Regions from `base_model_pp_plan`: its list of blocks is the layers (automatic
+    regions find one when the config has no plan)."""
+    from piper.regions import annotate_automatically
+
+    prefix = getattr(model, "base_model_prefix", "") or ""
+    base = getattr(model, prefix, model) if prefix else model
+    blocks = None
+    for key in getattr(config, "base_model_pp_plan", None) or {}:
+        if isinstance(getattr(base, key, None), nn.ModuleList):
+            blocks = f"{prefix}.{key}" if base is not model else key
+    model._piper_regions = annotate_automatically(model, blocks)  # type: ignore[assignment]
+    return model

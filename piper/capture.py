@@ -18,7 +18,11 @@ import torch
 import torch.fx.traceback as fx_traceback
 import torch.utils._pytree as pytree
 from torch import fx
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    FakeTensorMode,
+)
 from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind
 
@@ -175,9 +179,14 @@ def _export(spec: ModelSpec, batch: int, sharding: ModelSharding | None,
                 sharding.apply(model, 0, 0)
     except PiperError:
         raise
+    except (DataDependentOutputException, DynamicOutputShapeException) as e:
+        raise PiperError(f"{spec.path}: build_model/example_batch failed on the meta device "
+                         f"(fake tensors, no data): it reads a tensor's value ({e.func}: "
+                         ".item(), .tolist() or a data-dependent shape); build the model "
+                         "without looking at tensor values") from None
     except Exception as e:  # noqa: BLE001 - user code
-        raise PiperError(f"{spec.path}: build_model/example_batch failed on the meta device: "
-                         f"{type(e).__name__}: {e}")
+        raise PiperError(f"{spec.path}: build_model/example_batch failed on the meta device "
+                         f"(fake tensors, no data): {type(e).__name__}: {e}") from None
     try:
         with fx_traceback.preserve_node_meta(), counting_regions():
             ep = torch.export.export(model, args, kwargs, strict=False)
@@ -198,12 +207,13 @@ def _export_failure(e: Exception) -> str:
     """One line naming what torch.export could not capture, and what to do."""
     lines = [ln.strip() for ln in str(e).strip().splitlines() if ln.strip()]
     msg = lines[0] if lines else ""
-    where = next((ln for ln in lines if ln.startswith("File ") or "forward" in ln), "")
-    hint = ("; make forward traceable by torch.export (no data-dependent Python control "
-            "flow on tensor values, no .item()/.tolist(), outputs of tensors, tuples, dicts "
-            "or dataclasses); see docs/models.md")
-    return (f"capturing the model with torch.export failed: {type(e).__name__}: {msg}"
-            + (f" (at {where})" if where and where != msg else "") + hint)
+    kind = type(e).__name__
+    untraceable = any(k in kind for k in ("DataDependent", "Unsupported", "UserError",
+                                          "Guard", "Dynamic"))
+    hint = ("; torch.export cannot follow Python that depends on tensor values (.item(), "
+            ".tolist(), if on a tensor, data-dependent shapes): compute it with tensor ops "
+            "or outside forward (docs/models.md)") if untraceable else ""
+    return f"capturing the model failed: {kind}: {msg}{hint}"
 
 
 def _modules(model: torch.nn.Module, mg: ModelGraph) -> dict:

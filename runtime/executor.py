@@ -29,6 +29,7 @@ from runtime.recompute import recomputing
 from runtime.stage_module import StageModule, build_stage
 from runtime.streams import DeviceStreams
 from runtime.weight_grad import WeightGradStore, collecting, defer_weight_grads
+from runtime.weights import load_rank_model
 from runtime.zero import ShardedStage
 
 
@@ -86,10 +87,14 @@ class RankExecutor:
         self.groups = groups
         self.spec = spec
         rename = _align(captured.graph, plan.model, rank)
-        torch.manual_seed(seed)
-        model = spec.build().to(device)
         sh = plan.sharding
-        plan.sharding.apply(model, self.tp_rank, self.rp.replica % sh.ep)
+        if spec.weights:  # only this rank's tensors, read from the model folder
+            model = load_rank_model(spec, device, sh, self.tp_rank, self.rp.replica % sh.ep,
+                                    _own_params(captured.graph, plan, self.rp))
+        else:
+            torch.manual_seed(seed)
+            model = spec.build().to(device)
+            sh.apply(model, self.tp_rank, self.rp.replica % sh.ep)
         # with expert parallelism the experts follow their own data-parallel group
         experts = {f"{m}.{w}" for m in sh.experts for w in ("w1", "w2")} if sh.ep > 1 else set()
         self.expert_group = self.mesh.lift(self.mesh.expert_dp_group(logical), self.tp_rank)
@@ -554,6 +559,14 @@ def _accumulate(st: _StepState, key: tuple[str, int], g: torch.Tensor) -> None:
     both contribute to one value (a skip connection), so under the step's lock."""
     with st.lock:
         st.grads[key] = st.grads[key] + g if key in st.grads else g
+
+
+def _own_params(graph: ModelGraph, plan: Plan, rp: RankPlan) -> set[str]:
+    """Names of the parameters this rank's stages use (tied ones included)."""
+    mine = {r for s in rp.stages for r in plan.stage_regions[s]}
+    index = {graph.names.index(r) for r in mine}
+    return ({p for r in mine for p in graph.region(r).params}
+            | {p for p, users in graph.tied if set(users) & index})
 
 
 def _align(got: ModelGraph, plan: ModelGraph, rank: int) -> dict[str, str]:

@@ -11,6 +11,10 @@ def reference_losses(spec: ModelSpec, *, batch_size: int, steps: int, seed: int)
     """Losses of `steps` full-batch steps per DESIGN.md's training semantics."""
     torch.manual_seed(seed)
     model = spec.build()
+    if spec.weights:
+        from runtime.weights import load_all_weights
+
+        load_all_weights(model, spec.weights)
     opt = spec.make_optimizer(model.parameters())
     torch.manual_seed(seed)
     args, kwargs, targets = spec.example(batch_size)

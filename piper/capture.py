@@ -9,6 +9,7 @@ pure metadata the DAG, directives and cost models work on. The FX graph itself s
 
 from __future__ import annotations
 
+import contextlib
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -161,19 +162,26 @@ def capture(spec: ModelSpec, batch: int, sharding: ModelSharding | None = None, 
                    auto=auto or getattr(model, "_piper_regions", None))
 
 
+TRACE_DEVICE = "cpu"
+"""The device type fake tensors claim during capture (`runtime.stage_module` points the
+ops that name it at the stage's real device)."""
+
+
 def _export(spec: ModelSpec, batch: int, sharding: ModelSharding | None,
             prepare: Callable[[torch.nn.Module], None] | None, automatic: bool
             ) -> tuple[torch.nn.Module, ExportedProgram, Any, AutoRegions | None]:
     auto = None
     try:
-        # fake tensors of the device the model runs on, not meta: code that branches on
-        # `x.device.type` (Hugging Face's MoE kernels) takes the branch the run will take
-        with FakeTensorMode(allow_non_fake_inputs=False):
+        with torch.device("meta"):
             model = spec.build()
             if automatic:
                 auto = annotate_automatically(model)
             if prepare is not None:
                 prepare(model)
+        # traced on fake tensors of the device the model runs on, not on meta: code that
+        # branches on `x.device.type` (Hugging Face's MoE kernels) takes the run's branch
+        with FakeTensorMode(allow_non_fake_inputs=False):
+            _fake_state(model, TRACE_DEVICE)
             args, kwargs, targets = spec.example(batch)
             if sharding is not None:
                 sharding.apply(model, 0, 0)
@@ -188,11 +196,78 @@ def _export(spec: ModelSpec, batch: int, sharding: ModelSharding | None,
         raise PiperError(f"{spec.path}: build_model/example_batch failed on the meta device "
                          f"(fake tensors, no data): {type(e).__name__}: {e}") from None
     try:
-        with fx_traceback.preserve_node_meta(), counting_regions():
-            ep = torch.export.export(model, args, kwargs, strict=False)
+        ep = _trace(model, args, kwargs)
     except Exception as e:  # noqa: BLE001 - user code
-        raise PiperError(f"{spec.path}: {_export_failure(e)}") from None
+        if not (_unknown_output(e) and _register_dataclasses(model, args, kwargs)):
+            raise PiperError(f"{spec.path}: {_export_failure(e)}") from None
+        try:  # the output is a dataclass torch did not know: now it does
+            ep = _trace(model, args, kwargs)
+        except Exception as e2:  # noqa: BLE001 - user code
+            raise PiperError(f"{spec.path}: {_export_failure(e2)}") from None
     return model, ep, pytree.tree_map(_meta, targets), auto
+
+
+def _fake_state(model: torch.nn.Module, device: str) -> None:
+    """The meta parameters, buffers and tensor attributes of `model` as fake tensors on
+    `device` (inside a FakeTensorMode), shared ones (tied weights) still shared."""
+    made: dict[int, torch.Tensor] = {}
+
+    def fake(t: torch.Tensor) -> torch.Tensor:
+        if id(t) not in made:
+            f = torch.empty_strided(tuple(t.shape), tuple(t.stride()), dtype=t.dtype,
+                                    device=device)
+            made[id(t)] = (torch.nn.Parameter(f, requires_grad=t.requires_grad)
+                           if isinstance(t, torch.nn.Parameter) else f)
+        return made[id(t)]
+
+    for m in model.modules():
+        for store in (m._parameters, m._buffers):
+            for k, t in store.items():
+                if t is not None and t.device.type == "meta":
+                    store[k] = fake(t)  # type: ignore[assignment]
+        for k, t in list(vars(m).items()):
+            if isinstance(t, torch.Tensor) and t.device.type == "meta":
+                setattr(m, k, fake(t))
+
+
+def _trace(model: torch.nn.Module, args: tuple, kwargs: dict) -> ExportedProgram:
+    with fx_traceback.preserve_node_meta(), counting_regions():
+        return torch.export.export(model, args, kwargs, strict=False)
+
+
+def _unknown_output(e: Exception) -> bool:
+    return "not a known type" in str(e) and "output" in str(e)
+
+
+def _register_dataclasses(model: torch.nn.Module, args: tuple, kwargs: dict) -> bool:
+    """Make the dataclasses in the model's output pytree nodes (one forward on the fake
+    tensors finds them); False when there are none to register."""
+    import dataclasses
+
+    fake = next((a for a in pytree.tree_leaves((args, kwargs))
+                 if isinstance(a, torch.Tensor)), None)
+    mode = getattr(fake, "fake_mode", None)
+    with counting_regions(), (mode if mode is not None else contextlib.nullcontext()):
+        out = model(*args, **kwargs)
+    found: list[type] = []
+
+    def walk(x: Any) -> None:
+        if dataclasses.is_dataclass(x) and not isinstance(x, type):
+            if type(x) not in pytree.SUPPORTED_NODES and type(x) not in found:
+                found.append(type(x))
+            for f in dataclasses.fields(x):
+                walk(getattr(x, f.name))
+        elif isinstance(x, (list, tuple)):
+            for v in x:
+                walk(v)
+        elif isinstance(x, dict):
+            for v in x.values():
+                walk(v)
+
+    walk(out)
+    for cls in found:
+        torch.export.register_dataclass(cls)
+    return bool(found)
 
 
 def _meta(x: Any) -> Any:

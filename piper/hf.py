@@ -57,7 +57,7 @@ def load_hf_model(path: str | Path, model_args: tuple[tuple[str, Any], ...] = ()
     tp_plan, notes = _tp_plan(config, getattr(cls, "base_model_prefix", "") or "")
     weights = sorted(folder.glob("*.safetensors")) if p.is_dir() else []
 
-    def build_model() -> nn.Module:
+    def build_model(**_applied: Any) -> nn.Module:  # model_args are in the config already
         model = transformers.AutoModelForCausalLM.from_config(config)
         model.config.use_cache = False
         return _with_regions(model, config)
@@ -96,13 +96,13 @@ def _tp_plan(config: Any, prefix: str) -> tuple[tuple[tuple[str, str], ...], lis
     (and a note why) when it has a style we do not run."""
     plan = getattr(config, "base_model_tp_plan", None) or {}
     if not plan:
-        return (), [f"tensor parallelism: off ({type(config).__name__} has no "
-                    "base_model_tp_plan)"]
+        return (), [(f"tensor parallelism: off ({type(config).__name__} has no "
+                    "base_model_tp_plan)")]
     odd = {k: v for k, v in plan.items() if v not in TP_STYLES}
     if odd:
         k, v = next(iter(odd.items()))
-        return (), [f"tensor parallelism: off (base_model_tp_plan gives {k} style {v!r}; "
-                    f"supported: {', '.join(TP_STYLES)})"]
+        return (), [(f"tensor parallelism: off (base_model_tp_plan gives {k} style {v!r}; "
+                    f"supported: {', '.join(TP_STYLES)})")]
     under = f"{prefix}." if prefix else ""
     return tuple((f"{under}{k}", TP_STYLES[v]) for k, v in plan.items()), []
 

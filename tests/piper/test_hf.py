@@ -1,0 +1,93 @@
+"""Hugging Face models without a model file: config.json or folder in, regions and TP plan
+read from the config as data, the model's own causal-LM loss."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import piper
+from piper.errors import PiperError
+from piper.hf import is_hf_model, load_hf_model
+from piper.model_file import load_model
+from tests.hf_models import FAMILIES, SEQ, write_config
+
+pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("hf")
+    return {f: write_config(root / f, f) for f in FAMILIES}
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_config_folder_captures_with_regions_from_the_model(folders, family) -> None:
+    spec = load_model(folders[family], (), (("seq_len", SEQ),))
+    cap = piper.capture(spec, 2)
+    assert cap.graph.names == ("embed", "layer.0", "layer.1", "layer.2", "layer.3", "head")
+    assert cap.auto is not None and cap.auto.describe().startswith(
+        "regions: embed (")
+    owner = {p: r.name for r in cap.graph.regions for p in r.params}
+    assert any(p.endswith(("layers.2.self_attn.q_proj.weight", "h.2.attn.c_attn.weight"))
+               for p, r in owner.items() if r == "layer.2")
+
+
+def test_config_json_file_and_folder_are_the_same_model(folders) -> None:
+    a = load_model(folders["llama"] / "config.json", (), (("seq_len", SEQ),))
+    b = load_model(folders["llama"], (), (("seq_len", SEQ),))
+    assert piper.capture(a, 1).graph == piper.capture(b, 1).graph
+    assert is_hf_model(folders["llama"]) and not is_hf_model(folders["llama"].parent)
+
+
+def test_tp_plan_is_read_from_the_config(folders) -> None:
+    llama = load_hf_model(folders["llama"], seq_len=SEQ)
+    assert ("model.layers.*.self_attn.q_proj", "colwise") in llama.tp_plan
+    assert ("model.layers.*.mlp.down_proj", "rowwise") in llama.tp_plan
+    qwen = load_hf_model(folders["qwen3"], seq_len=SEQ)
+    assert ("model.layers.*.self_attn.q_norm", "replicate") in qwen.tp_plan
+    gpt2 = load_hf_model(folders["gpt2"], seq_len=SEQ)
+    assert gpt2.tp_plan == () and "no base_model_tp_plan" in gpt2.notes[0]
+
+
+def test_unknown_tp_style_is_refused_by_name(tmp_path, folders) -> None:
+    cfg = json.loads((folders["llama"] / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    import transformers
+
+    old = transformers.LlamaConfig.base_model_tp_plan
+    transformers.LlamaConfig.base_model_tp_plan = {**old, "layers.*.mlp.up_proj":
+                                                   "colwise_gather_output"}
+    try:
+        spec = load_hf_model(tmp_path, seq_len=SEQ)
+    finally:
+        transformers.LlamaConfig.base_model_tp_plan = old
+    assert spec.tp_plan == ()
+    assert "colwise_gather_output" in spec.notes[0] and "up_proj" in spec.notes[0]
+
+
+def test_model_args_override_config_fields(folders) -> None:
+    spec = load_model(folders["llama"], (("num_hidden_layers", 2),), (("seq_len", SEQ),))
+    assert piper.capture(spec, 1).graph.names == ("embed", "layer.0", "layer.1", "head")
+    with pytest.raises(PiperError, match="no field 'not_a_field'"):
+        load_model(folders["llama"], (("not_a_field", 1),))
+
+
+def test_batch_is_tokens_with_labels_and_the_loss_is_the_models(folders) -> None:
+    spec = load_model(folders["llama"], (), (("seq_len", SEQ),))
+    args, kwargs, targets = spec.example(3)
+    assert args == () and targets is None
+    assert set(kwargs) == {"input_ids", "labels"} and kwargs["input_ids"].shape == (3, SEQ)
+    with pytest.raises(PiperError, match="longer than the model's context"):
+        load_model(folders["llama"], (), (("seq_len", 65),))
+
+
+def test_seq_len_is_only_for_hf_models() -> None:
+    with pytest.raises(PiperError, match="--seq-len is for Hugging Face models"):
+        load_model("examples/gpt.py", (), (("seq_len", 8),))
+
+
+def test_folder_without_config_is_an_input_error(tmp_path) -> None:
+    with pytest.raises(PiperError, match="folder without a config.json"):
+        load_model(tmp_path)

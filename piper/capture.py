@@ -127,6 +127,8 @@ class Captured:
     program: ExportedProgram
     graph: ModelGraph
     node_region: dict[str, int]
+    free: frozenset[str] = frozenset()
+    """Ops every stage that uses them recomputes (`_free_glue`); their region is 0."""
     loss: Callable[[Any, Any], torch.Tensor] | None = field(default=None, compare=False)
     """The model file's loss and its targets on meta: what the loss keeps for backward (a
     log-softmax the size of the logits) is activation memory of the output stage."""
@@ -349,14 +351,14 @@ def _regions(ep: ExportedProgram, path: str, batch: int) -> Captured:
         srcs = [region[a.name] for a in n.all_input_nodes if a.name in region]
         if srcs:
             region[n.name] = max(srcs)
-    for n in reversed(ops):  # glue fed only by inputs joins its first consumer
-        if n.name not in region:
-            users = [region[u.name] for u in n.users if u.name in region]
-            region[n.name] = min(users) if users else 0
-
     sig = ep.graph_signature
     param_of = {s.arg.name: s.target for s in sig.input_specs
                 if s.kind == InputKind.PARAMETER}
+    free = _free_glue(ops, region, set(param_of))
+    for n in reversed(ops):  # glue fed only by inputs joins its first consumer
+        if n.name not in region:
+            users = [region[u.name] for u in n.users if u.name in region]
+            region[n.name] = 0 if n.name in free else min(users) if users else 0
     shapes = {p: tuple(n.meta["val"].shape) for n in g.nodes if (p := param_of.get(n.name))}
     owned: dict[int, list[str]] = defaultdict(list)
     tied = []
@@ -373,6 +375,8 @@ def _regions(ep: ExportedProgram, path: str, batch: int) -> Captured:
     flows: dict[tuple[int, int], list[str]] = defaultdict(list)
     values: dict[str, Value] = {}
     for n in ops:
+        if n.name in free:
+            continue  # recomputed where used, never sent
         for u in n.users:
             dst = region.get(u.name)
             if dst is None or dst == region[n.name]:
@@ -403,7 +407,27 @@ def _regions(ep: ExportedProgram, path: str, batch: int) -> Captured:
         if f.src > f.dst:
             raise PiperError(f"{path}: region {regions[f.src].name} feeds the earlier region "
                              f"{regions[f.dst].name}; regions must be tagged in call order")
-    return Captured(program=ep, graph=mg, node_region=region)
+    return Captured(program=ep, graph=mg, node_region=region, free=frozenset(free))
+
+
+def _free_glue(ops: list[fx.Node], region: dict[str, int], params: set[str]) -> set[str]:
+    """Untagged ops fed only by the batch, buffers, constants and each other (position
+    ids, causal masks): every stage that needs one recomputes it, so no region has to send
+    it to all the others (which would also break the chain of identical layers). Seeded
+    random ops are not free: two stages would draw differently."""
+    free: set[str] = set()
+    for n in ops:
+        if n.name in region or _seeded(n):
+            continue
+        if all((a.op == "placeholder" and a.name not in params) or a.name in free
+               for a in n.all_input_nodes):
+            free.add(n.name)
+    return free
+
+
+def _seeded(n: fx.Node) -> bool:
+    tags = getattr(n.target, "tags", ())
+    return torch.Tag.nondeterministic_seeded in tags
 
 
 def _numel(shape: tuple[int, ...]) -> int:

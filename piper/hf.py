@@ -71,7 +71,7 @@ def load_hf_model(path: str | Path, model_args: tuple[tuple[str, Any], ...] = ()
         example_batch=example_batch, loss_fn=default_loss, make_optimizer=default_optimizer,
         batch_size=DEFAULT_BATCH_SIZE, tp_plan=tp_plan,
         options=(("seq_len", seq),), weights=str(folder) if weights else None,
-        notes=tuple(notes))
+        notes=tuple(notes), index_attrs=("layer_idx",))
 
 
 def _config(transformers: Any, p: Path, model_args: tuple[tuple[str, Any], ...]) -> Any:

@@ -58,6 +58,10 @@ class ModelSpec:
     options: tuple[tuple[str, Any], ...] = ()  # how it was loaded (a HF model's seq_len)
     weights: str | None = None  # a folder of *.safetensors each rank loads its part of
     notes: tuple[str, ...] = ()  # what the user should know about how it was read
+    index_attrs: tuple[str, ...] = ()
+    """Attributes a repeated block keeps only as its position (transformers' `layer_idx`
+    indexes the KV cache, which training does not keep): copies differing only there are
+    identical for planning (`planner.repeats`)."""
 
     @property
     def source(self) -> tuple[str, tuple[tuple[str, Any], ...], tuple[tuple[str, Any], ...]]:

@@ -2,12 +2,14 @@
 what runs after.
 
 Transformers of every family share one shape: an embedding, a `nn.ModuleList` of identical
-blocks, a head. The longest such list gives regions `layer.0..N-1`; every other module that
-is not inside it (nor one of its ancestors) is tagged when it runs: `embed` if no block has
-run yet in this forward, else `head`. Deciding at call time, not by registration order, is
-what puts a rotary embedding registered after the final norm (Hugging Face Llama) into
-`embed`, where it runs. Modules sharing a region share one tag, so `embed` is one region
-however many modules it holds.
+blocks, a head. The longest such list gives regions `layer.0..N-1`; every other module with
+parameters that is not inside it (nor one of its ancestors) is tagged when it runs: `embed`
+if no block has run yet in this forward, else `head`. Deciding at call time, not by
+registration order, puts a module registered after the final norm but called first into
+`embed`. Parameter-free modules (a rotary table, a mask) stay untagged glue, which every
+stage that needs it recomputes when it depends on nothing but the batch and buffers.
+Modules sharing a region share one tag, so `embed` is one region however many modules it
+holds.
 """
 
 from __future__ import annotations
@@ -74,6 +76,8 @@ def annotate_automatically(model: nn.Module, blocks: str | None = None) -> AutoR
             continue
         if any(path.startswith(t + ".") for t in taken):
             continue
+        if next(m.parameters(), None) is None:
+            continue  # no state to place: its ops are glue (`piper.capture`)
         taken.append(path)
         _tag_by_time(m, path, auto)
     for block in layers:

@@ -71,7 +71,7 @@ def planning_capture(spec: ModelSpec, batch: int, sharding: ModelSharding | None
     """Capture `spec` for planning, tracing two copies of each repeated layer when that is
     exact (see module docstring); `fold=False` traces every layer."""
     if fold:
-        cut = _Truncate()
+        cut = _Truncate(spec.index_attrs)
         cap = capture(spec, batch, prepare=lambda m: _cut_then_shard(cut, m, sharding))
         if cut.repeats:
             grown = _grow(cap, cut.repeats, sharding is not None)
@@ -100,8 +100,9 @@ def _whole(cap: Captured, sharded: bool) -> PlanningCapture:
 class _Truncate:
     """`capture(prepare=...)` hook: cuts each repeated ModuleList to KEEP children."""
 
-    def __init__(self) -> None:
+    def __init__(self, index_attrs: tuple[str, ...] = ()) -> None:
         self.repeats: list[Repeat] = []
+        self.index_attrs = index_attrs  # attributes that hold the layer's position
 
     def __call__(self, model: nn.Module) -> None:
         for fqn, mod in list(model.named_modules()):
@@ -109,7 +110,7 @@ class _Truncate:
                 continue
             if any(fqn.startswith(f"{r.fqn}.") for r in self.repeats):
                 continue  # inside a list already cut: renaming nests no further
-            if not _identical(list(mod)):
+            if not _identical(list(mod), self.index_attrs):
                 continue
             parent, _, attr = fqn.rpartition(".")
             owner = model.get_submodule(parent) if parent else model
@@ -117,19 +118,24 @@ class _Truncate:
             self.repeats.append(Repeat(fqn, len(mod)))
 
 
-def _identical(children: list[nn.Module]) -> bool:
+def _identical(children: list[nn.Module], index_attrs: tuple[str, ...] = ()) -> bool:
     """Same module tree, parameter/buffer shapes and plain attributes (a layer index stored
-    on the module makes copies differ); no parameter object shared between copies."""
-    first = _signature(children[0])
-    if any(_signature(c) != first for c in children[1:]):
+    on the module makes copies differ, unless the model declares it only a position:
+    `ModelSpec.index_attrs`); no parameter object shared between copies."""
+    first = _signature(children[0], index_attrs, 0)
+    if any(_signature(c, index_attrs, i) != first for i, c in enumerate(children[1:], 1)):
         return False
     ids = [id(p) for c in children for p in c.parameters()]
     return len(ids) == len(set(ids))
 
 
-def _signature(m: nn.Module) -> tuple:
+def _signature(m: nn.Module, index_attrs: tuple[str, ...] = (), index: int = 0) -> tuple:
+    def plain(k: str, v: object) -> bool:
+        return not k.startswith("_") and k != "training" and not (k in index_attrs and
+                                                                   v == index)
+
     tree = tuple((name, type(sub).__qualname__, tuple(sorted(
-        (k, repr(v)) for k, v in vars(sub).items() if not k.startswith("_") and k != "training")))
+        (k, repr(v)) for k, v in vars(sub).items() if plain(k, v))))
         for name, sub in m.named_modules())
     params = tuple((n, tuple(p.shape), p.dtype, p.requires_grad)
                    for n, p in m.named_parameters())

@@ -53,9 +53,16 @@ def build_stage(captured: Captured, regions: set[int], device: torch.device) -> 
             source[s.arg.name] = ("input", user_inputs.index(s.arg.name))
         else:
             source[s.arg.name] = ("unsupported", str(s.kind))
-    nodes = [n for n in g.nodes
-             if n.op == "call_function" and captured.node_region[n.name] in regions]
-    inside = set(nodes)
+    free = captured.free
+    inside = {n for n in g.nodes if n.op == "call_function" and n.name not in free
+              and captured.node_region[n.name] in regions}
+    todo = list(inside)  # with the free glue they use, recomputed here
+    while todo:
+        for a in todo.pop().all_input_nodes:
+            if a.name in free and a not in inside:
+                inside.add(a)
+                todo.append(a)
+    nodes = [n for n in g.nodes if n in inside]
     external: list[fx.Node] = []
     for n in nodes:
         for a in n.all_input_nodes:
@@ -79,7 +86,8 @@ def build_stage(captured: Captured, regions: set[int], device: torch.device) -> 
     model_outs = [a.name for a in out_node.all_input_nodes if a in inside]
     leaves = tuple(("value", a.name) if isinstance(a, fx.Node) else ("const", a)
                    for a in pytree.tree_leaves(out_node.args[0]))
-    outputs = [n for n in nodes if any(u not in inside for u in n.users)]
+    outputs = [n for n in nodes if any(u not in inside for u in n.users)
+               and (n.name not in free or n.name in model_outs)]
     new.output(tuple(env[n] for n in outputs))
     gm = fx.GraphModule(torch.nn.Module(), new)
     return StageModule(gm, tuple(inputs), tuple(n.name for n in outputs), tuple(model_outs),

@@ -26,14 +26,22 @@ class Block(nn.Module):
 
 
 class Scale(nn.Module):
-    """Registered after the norm but called before the blocks (like a rotary table)."""
+    """Registered after the norm but called before the blocks."""
 
     def __init__(self, dim: int) -> None:
         super().__init__()
+        self.w = nn.Parameter(torch.ones(dim))
         self.register_buffer("inv", torch.arange(1, dim + 1).float(), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return 1.0 / self.inv.to(x.dtype)
+        return self.w / self.inv.to(x.dtype)
+
+
+class Positions(nn.Module):
+    """No parameters (like a rotary table): glue, recomputed where it is used."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.arange(x.shape[1], dtype=x.dtype).unsqueeze(-1) / 10.0
 
 
 @dataclass
@@ -52,13 +60,15 @@ class Plain(nn.Module):
         self.blocks = nn.ModuleList(Block(dim) for _ in range(layers))
         self.norm = nn.LayerNorm(dim)
         self.scale = Scale(dim)
+        self.pos = Positions()
         self.out = nn.Linear(dim, vocab)
 
     def forward(self, input_ids: torch.Tensor, mask: torch.Tensor) -> Out:
         x = self.embed(input_ids) * mask.unsqueeze(-1)
         s = self.scale(x)
+        p = self.pos(input_ids)
         for b in self.blocks:
-            x = b(x, s)
+            x = b(x + p, s)
         logits = self.out(self.norm(x))
         return Out(logits=logits, extra=logits.mean(-1))
 
@@ -85,6 +95,10 @@ def test_untagged_model_gets_embed_layers_head_by_call_order() -> None:
     assert cap.auto is not None
     # the scale is registered after the norm but runs before the blocks: embed
     assert cap.auto.embed == ["embed", "scale"] and cap.auto.head == ["norm", "out"]
+    # the positions depend on the batch alone: each layer recomputes them, none sends them
+    assert cap.free and not any(v in cap.free for f in cap.graph.flows for v in f.values)
+    assert [(f.src, f.dst) for f in cap.graph.flows] == [(0, 1), (0, 2), (0, 3), (1, 2),
+                                                         (2, 3), (3, 4)]
     assert cap.auto.describe() == ("regions: embed (2 modules), layer.0-2, head (2 modules) "
                                    "[automatic: blocks of blocks]")
     owner = {p: r.name for r in cap.graph.regions for p in r.params}

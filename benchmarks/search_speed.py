@@ -9,6 +9,7 @@ speed: runs the CLI as a subprocess (the whole command: interpreter start, impor
 search, outputs), wall and CPU seconds of the child:
 - Llama-7B (`examples/llama.py size=7b`) on `--gpus 16 --cluster h100-80gb`, default trials;
 - Llama-70B (`size=70b`) on `--gpus 1024`, default trials;
+- Llama-3.1-8B from its Hugging Face config.json (no model file) on `--gpus 16`;
 then the same searches in this process with each phase timed (capture, per-degree sharded
 captures, memory bound, apply, schedule, simulate, everything else).
 
@@ -46,6 +47,8 @@ SPEED_CASES = (
     ("llama-7b x16", ["examples/llama.py", "--model-arg", "size=7b", "--gpus", "16",
                       "--cluster", "h100-80gb"]),
     ("llama-70b x1024", ["examples/llama.py", "--model-arg", "size=70b", "--gpus", "1024"]),
+    # the real Llama-3.1-8B config.json, no model file (written to a temporary folder)
+    ("llama-3.1-8b config.json x16", ["{hf8b}", "--gpus", "16", "--cluster", "h100-80gb"]),
 )
 QUALITY_CASES = (
     ("gpt-1b x16", "examples/gpt.py", (("size", "1b"),), 16, None),
@@ -66,7 +69,12 @@ def log(msg: str) -> None:
 
 # ---- speed ---------------------------------------------------------------------------------
 def speed(extra: list[str]) -> None:
-    for name, args in SPEED_CASES:
+    from tests.hf_models import write_llama_31_8b
+
+    hf = tempfile.TemporaryDirectory()
+    hf8b = str(write_llama_31_8b(Path(hf.name) / "Llama-3.1-8B"))
+    cases = [(name, [a.format(hf8b=hf8b) for a in args]) for name, args in SPEED_CASES]
+    for name, args in cases:
         with tempfile.TemporaryDirectory() as out:
             cmd = [sys.executable, "-m", "planner.cli", "search", *args, *extra, "--out", out,
                    "--json"]
@@ -89,8 +97,9 @@ def speed(extra: list[str]) -> None:
             f"best {row['best']} {row['step_time_s']}")
         if r.returncode not in (0, 1):
             log(r.stderr[-2000:])
-    for name, args in SPEED_CASES:
+    for name, args in cases:
         profile(name, args + extra)
+    hf.cleanup()
 
 
 class Phases:

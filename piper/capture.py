@@ -10,6 +10,9 @@ pure metadata the DAG, directives and cost models work on. The FX graph itself s
 from __future__ import annotations
 
 import contextlib
+import io
+import re
+import sys
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -233,8 +236,14 @@ def _fake_state(model: torch.nn.Module, device: str) -> None:
 
 
 def _trace(model: torch.nn.Module, args: tuple, kwargs: dict) -> ExportedProgram:
-    with fx_traceback.preserve_node_meta(), counting_regions():
-        return torch.export.export(model, args, kwargs, strict=False)
+    """torch.export; on failure torch prints the partial graph to stderr, which our one
+    error line replaces (what it writes on success is passed on)."""
+    said = io.StringIO()
+    with (contextlib.redirect_stderr(said), fx_traceback.preserve_node_meta(),
+          counting_regions()):
+        ep = torch.export.export(model, args, kwargs, strict=False)
+    sys.stderr.write(said.getvalue())
+    return ep
 
 
 def _unknown_output(e: Exception) -> bool:
@@ -290,7 +299,19 @@ def _export_failure(e: Exception) -> str:
     hint = ("; torch.export cannot follow Python that depends on tensor values (.item(), "
             ".tolist(), if on a tensor, data-dependent shapes): compute it with tensor ops "
             "or outside forward (docs/models.md)") if untraceable else ""
-    return f"capturing the model failed: {kind}: {msg}{hint}"
+    return f"capturing the model failed{_user_frame(lines)}: {kind}: {msg}{hint}"
+
+
+def _user_frame(lines: list[str]) -> str:
+    """` at FILE:LINE in FUNC (`code`)`: the call torch.export names as raising, if any."""
+    for i, ln in enumerate(lines):
+        m = re.match(r'File "([^"]+)", line (\d+), in (\S+)', ln)
+        if m and i and "raised this error" in " ".join(lines[max(0, i - 2):i]):
+            code = lines[i + 1] if i + 1 < len(lines) else ""
+            return (f" at {m[1]}:{m[2]} in {m[3]}" + (f" (`{code}`)" if code and not
+                                                      code.startswith(("File ", "The "))
+                                                      else ""))
+    return ""
 
 
 def _modules(model: torch.nn.Module, mg: ModelGraph) -> dict:

@@ -109,9 +109,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = None
-    # torch logs a traceback of its own when a model fails under fake tensors; the one
-    # `error:` line below says it all
-    logging.getLogger("torch._subclasses.fake_tensor").setLevel(logging.CRITICAL)
+    # torch logs a traceback (or the partial graph) of its own when a model fails under
+    # fake tensors or torch.export; the one `error:` line below says it all
+    for name in ("torch._subclasses.fake_tensor", "torch.fx.experimental.symbolic_shapes"):
+        logging.getLogger(name).setLevel(logging.CRITICAL)
     try:
         args = build_parser().parse_args(argv)
         return {"search": cmd_search, "run": cmd_run, "simulate": cmd_simulate,

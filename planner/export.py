@@ -19,7 +19,8 @@ if TYPE_CHECKING:
 
 def strategy_header(spec: ModelSpec, cluster: str, gpus: int, batch_size: int,
                     rec: TrialRecord, script: Path) -> list[str]:
-    args = " ".join(f"--model-arg {k}={v}" for k, v in spec.model_args)
+    args = " ".join([*(f"--model-arg {k}={v}" for k, v in spec.model_args),
+                     *(f"--{k.replace('_', '-')} {v}" for k, v in spec.options)])
     base = f"{spec.path} --gpus {gpus} {args}".replace("  ", " ").strip()
     cmd = shlex.join(["piper-plan", *sys.argv[1:]]) if sys.argv[1:] else "piper-plan search"
     return [

@@ -11,25 +11,25 @@ import threading
 import time
 from collections.abc import Callable
 from contextlib import nullcontext
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from piper.capture import Captured, ModelGraph
+from piper.capture import Captured
 from piper.dag import Kind
 from piper.lanes import ComputeToken, computing, lane
 from piper.model_file import ModelSpec
 from runtime.buckets import GradBuckets, bucketed, early_reduce_scatters, early_stages
 from runtime.memory import MemoryLedger, SavedTensors
 from runtime.plan import COMPUTE_STREAM, PAIR_STREAM, Plan, RankPlan, Task
+from runtime.rank_stages import align, deferring, rank_model, renamed
 from runtime.recompute import recomputing
 from runtime.stage_module import StageModule, build_stage
 from runtime.streams import DeviceStreams
-from runtime.weight_grad import WeightGradStore, collecting, defer_weight_grads
-from runtime.weights import load_rank_model
+from runtime.weight_grad import WeightGradStore, collecting
 from runtime.zero import ShardedStage
 
 
@@ -86,15 +86,9 @@ class RankExecutor:
         self.device = device
         self.groups = groups
         self.spec = spec
-        rename = _align(captured.graph, plan.model, rank)
+        rename = align(captured.graph, plan.model, rank)
         sh = plan.sharding
-        if spec.weights:  # only this rank's tensors, read from the model folder
-            model = load_rank_model(spec, device, sh, self.tp_rank, self.rp.replica % sh.ep,
-                                    _own_params(captured.graph, plan, self.rp))
-        else:
-            torch.manual_seed(seed)
-            model = spec.build().to(device)
-            sh.apply(model, self.tp_rank, self.rp.replica % sh.ep)
+        model = rank_model(spec, captured.graph, plan, self.rp, self.tp_rank, seed, device)
         # with expert parallelism the experts follow their own data-parallel group
         experts = {f"{m}.{w}" for m in sh.experts for w in ("w1", "w2")} if sh.ep > 1 else set()
         self.expert_group = self.mesh.lift(self.mesh.expert_dp_group(logical), self.tp_rank)
@@ -122,9 +116,9 @@ class RankExecutor:
                 self.params.setdefault(key, []).extend(params[p] for p in ps)  # type: ignore
         for s in self.rp.stages:
             regions = {names.index(r) for r in plan.stage_regions[s]}
-            sm = _renamed(build_stage(captured, regions, device), rename)
+            sm = renamed(build_stage(captured, regions, device), rename)
             if s in self.split:
-                sm = _deferring(sm)
+                sm = deferring(sm)
             if s in plan.recompute:  # regions keep their inputs, rebuilt in backward
                 sm = recomputing(sm, captured.node_region)
             self.stages[s] = sm
@@ -559,46 +553,6 @@ def _accumulate(st: _StepState, key: tuple[str, int], g: torch.Tensor) -> None:
     both contribute to one value (a skip connection), so under the step's lock."""
     with st.lock:
         st.grads[key] = st.grads[key] + g if key in st.grads else g
-
-
-def _own_params(graph: ModelGraph, plan: Plan, rp: RankPlan) -> set[str]:
-    """Names of the parameters this rank's stages use (tied ones included)."""
-    mine = {r for s in rp.stages for r in plan.stage_regions[s]}
-    index = {graph.names.index(r) for r in mine}
-    return ({p for r in mine for p in graph.region(r).params}
-            | {p for p, users in graph.tied if set(users) & index})
-
-
-def _align(got: ModelGraph, plan: ModelGraph, rank: int) -> dict[str, str]:
-    """This rank's capture's value names -> the plan's. A tensor/expert-parallel capture
-    has other parameter shapes and op names, but the same regions and the same tensors
-    crossing between them, in the same order."""
-    same = (got.names, got.output_region, [(f.src, f.dst, len(f.values)) for f in got.flows]
-            ) == (plan.names, plan.output_region,
-                  [(f.src, f.dst, len(f.values)) for f in plan.flows])
-    rename = {a: b for fa, fb in zip(got.flows, plan.flows) for a, b in zip(fa.values, fb.values)}
-    if not same or any(got.value(a).shape != plan.value(b).shape for a, b in rename.items()):
-        raise RuntimeError(f"rank {rank}: captured model differs from the plan's model (a "
-                           "tensor-parallel plan must not split tensors that cross regions)")
-    return rename
-
-
-def _renamed(sm: StageModule, rename: dict[str, str]) -> StageModule:
-    def name(v: str) -> str:
-        return rename.get(v, v)
-
-    return replace(sm, inputs=tuple((k, name(v)) if k == "act" else (k, v)  # type: ignore
-                                    for k, v in sm.inputs),
-                   outputs=tuple(map(name, sm.outputs)),
-                   model_outputs=tuple(map(name, sm.model_outputs)),
-                   out_leaves=tuple((k, name(x)) if k == "value" else (k, x)
-                                    for k, x in sm.out_leaves))
-
-
-def _deferring(sm: StageModule) -> StageModule:
-    """`sm` with its matmuls against parameters deferring their weight products to W."""
-    params = {i for i, (kind, _) in enumerate(sm.inputs) if kind == "param"}
-    return replace(sm, module=defer_weight_grads(sm.module, params)[0])
 
 
 def _slice(x: Any, lo: int, hi: int, device: torch.device) -> Any:

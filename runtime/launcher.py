@@ -98,8 +98,13 @@ def _check_devices(program: Program, gpus: int) -> None:
 
 def lower(spec: ModelSpec, program: Program, gpus: int, batch_size: int) -> Plan:
     """Capture at the microbatch size, apply the Program, check the world size, schedule;
-    with tensor/expert parallelism, check here that the model splits (workers would fail)."""
+    with tensor/expert parallelism, check here that the model splits, and that saved weights
+    fit the model (workers would fail)."""
     mb = program_microbatch_size(program, batch_size)
+    if spec.weights:
+        from runtime.weights import check_weights
+
+        check_weights(spec)
     plan = schedule(apply_for(program, single_device_dag(capture(spec, mb).graph), gpus))
     if not plan.sharding.trivial:
         capture_sharded(spec, mb, plan.sharding)

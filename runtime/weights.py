@@ -52,6 +52,30 @@ def tensor_files(folder: str | Path) -> dict[str, Path]:
     return out
 
 
+def check_weights(spec: ModelSpec) -> None:
+    """Every parameter of the model has a tensor of its shape in `spec.weights` (headers
+    only are read): a folder that does not fit the config is an input error on the driver,
+    not a worker failing in setup."""
+    from safetensors import safe_open
+
+    with torch.device("meta"):
+        model = spec.build()
+    files = tensor_files(spec.weights)  # type: ignore[arg-type]
+    aliases: dict[int, list[tuple[str, nn.Parameter]]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        aliases.setdefault(id(p), []).append((name, p))
+    for named in aliases.values():
+        stored = next((n for n, _ in named if n in files), None)
+        if stored is None:
+            raise PiperError(f"{spec.weights}: no tensor for parameter {named[0][0]} in its "
+                             "*.safetensors files (saved from another model or version?)")
+        with safe_open(str(files[stored]), framework="pt") as h:
+            shape = tuple(h.get_slice(stored).get_shape())
+        if shape != tuple(named[0][1].shape):
+            raise PiperError(f"{spec.weights}: tensor {stored} has shape {shape}, the "
+                             f"model's {named[0][0]} {tuple(named[0][1].shape)}")
+
+
 def load_rank_model(spec: ModelSpec, device: torch.device, sharding: ModelSharding,
                     tp_rank: int, ep_rank: int, needed: set[str]) -> nn.Module:
     """The model with the parameters named in `needed` (and their tied aliases) read from

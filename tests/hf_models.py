@@ -35,3 +35,27 @@ def write_config(folder: Path, family: str, weights: bool = False, seed: int = 1
     else:
         config.save_pretrained(folder)
     return folder
+
+# Llama-3.1-8B's config.json as published with the model (no weights needed to plan)
+LLAMA_31_8B: dict[str, Any] = {
+    "architectures": ["LlamaForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+    "bos_token_id": 128000, "eos_token_id": 128001, "hidden_act": "silu", "hidden_size": 4096,
+    "initializer_range": 0.02, "intermediate_size": 14336, "max_position_embeddings": 131072,
+    "mlp_bias": False, "model_type": "llama", "num_attention_heads": 32,
+    "num_hidden_layers": 32, "num_key_value_heads": 8, "pretraining_tp": 1,
+    "rms_norm_eps": 1e-05,
+    "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                     "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+    "rope_theta": 500000.0, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+    "transformers_version": "4.43.0.dev0", "use_cache": True, "vocab_size": 128256,
+}
+
+
+def write_llama_31_8b(folder: Path) -> Path:
+    """The real Llama-3.1-8B config.json in `folder`; returns the file."""
+    import json
+
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "config.json"
+    path.write_text(json.dumps(LLAMA_31_8B, indent=2))
+    return path

@@ -91,3 +91,18 @@ def test_seq_len_is_only_for_hf_models() -> None:
 def test_folder_without_config_is_an_input_error(tmp_path) -> None:
     with pytest.raises(PiperError, match="folder without a config.json"):
         load_model(tmp_path)
+
+
+def test_replicated_norms_sum_their_gradients_over_the_tp_group(folders) -> None:
+    """Qwen3's per-head q/k norms see only this rank's heads: each weight enters through f,
+    whose backward all-reduces its gradient (HF's replicated_with_grad_allreduce)."""
+    from piper.sharding import ModelSharding
+
+    spec = load_hf_model(folders["qwen3"], seq_len=SEQ)
+    cap = piper.capture(spec, 1, ModelSharding(tp=2, tp_plan=spec.tp_plan))
+    sig = {s.arg.name: s.target for s in cap.program.graph_signature.input_specs}
+    for n in cap.program.graph.nodes:
+        target = sig.get(n.name) or ""
+        if n.op == "placeholder" and target.endswith(("q_norm.weight", "k_norm.weight")):
+            assert [str(u.target) for u in n.users] == ["piper.tp_copy.default"], target
+    assert any((t or "").endswith("layers.3.self_attn.k_norm.weight") for t in sig.values())

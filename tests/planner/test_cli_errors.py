@@ -37,6 +37,14 @@ def build_model():
 MODELS = {
     "no_build": NO_BUILD,
     "syntax": "def build_model(:\n",
+    "data_branch": TWO_REGIONS.replace("            x = self.a(x)\n",
+                                       "            x = self.a(x)\n"
+                                       "            if x.sum() > 0:\n"
+                                       "                x = -x\n") +
+    "def example_batch(b):\n    return torch.zeros(b, 4), torch.zeros(b, dtype=torch.long)\n",
+    "no_blocks": TWO_REGIONS.replace('with piper.annotate("a"):', 'if True:').replace(
+        'with piper.annotate("b"):', 'if True:') +
+    "def example_batch(b):\n    return torch.zeros(b, 4), torch.zeros(b, dtype=torch.long)\n",
     "not_meta": TWO_REGIONS.replace("return M()", "m = M()\n    m.a.weight.sum().item()\n"
                                     "    return m") +
     "def example_batch(b):\n    return torch.zeros(b, 4), torch.zeros(b, dtype=torch.long)\n",
@@ -89,6 +97,13 @@ BAD = {
                        ("{no_build}", "must define build_model")),
     "build_model fails on meta": (["simulate", "{not_meta}", "--gpus", "1"],
                                   ("{not_meta}", "failed on the meta device", "item()")),
+    "forward branches on a tensor's value": (["simulate", "{data_branch}", "--gpus", "1"],
+                                             ("{data_branch}: capturing the model failed at",
+                                              "in forward (`if x.sum() > 0:`)",
+                                              "data-dependent")),
+    "no tags and no blocks to find": (["simulate", "{no_blocks}", "--gpus", "1"],
+                                      ("no regions tagged and no nn.ModuleList",
+                                       "piper.annotate")),
     "example_batch wrong feature shape": (["simulate", "{wrong_features}", "--gpus", "1"],
                                           ("{wrong_features}", "capturing the model failed",
                                            "[1, 5]")),
@@ -192,7 +207,7 @@ def test_bad_input_is_one_error_line_and_exit_2(case, tmp_path, capsys):
     assert elapsed < 60, "bad input fails fast"
 
 
-@pytest.mark.parametrize("model", ["missing", "wrong_features"])
+@pytest.mark.parametrize("model", ["missing", "wrong_features", "data_branch"])
 def test_console_script_prints_one_line_and_no_traceback(tmp_path, model):
     """Through the entry point, as a user sees it: nothing on stderr but the error line
     (torch's own log of a failed meta kernel included)."""

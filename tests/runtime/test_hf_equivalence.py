@@ -38,8 +38,9 @@ def folders(tmp_path_factory) -> dict:
 
 def run_json(capsys, argv: list[str]) -> tuple[int, dict]:
     rc = main(argv)
-    out = capsys.readouterr().out.strip().splitlines()
-    assert len(out) == 1, "--json prints exactly one line on stdout"
+    said = capsys.readouterr()
+    out = said.out.strip().splitlines()
+    assert len(out) == 1, f"--json prints exactly one line on stdout (rc {rc}): {said.err}"
     return rc, json.loads(out[0])
 
 
@@ -112,3 +113,14 @@ def test_tp_that_splits_a_head_is_one_error_line(capsys, folders):
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) >= 1
     assert err[-1].startswith("error: ") and "tp=4" in err[-1]
+
+
+def test_weights_of_another_model_are_one_error_line(capsys, tmp_path):
+    folder = write_config(tmp_path / "llama", "llama", weights=True)
+    cfg = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**cfg, "intermediate_size": 96}))
+    rc = main(["run", str(folder), "--gpus", "2", "--pp", "2", "--seq-len", str(SEQ),
+               "--batch-size", str(BATCH), "--device", "cpu"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2
+    assert err[-1].startswith("error: ") and "gate_proj.weight has shape (64, 32)" in err[-1]

@@ -11,6 +11,7 @@ loss itself (shifted inside), so no loss function is needed.
 
 from __future__ import annotations
 
+import fnmatch
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +56,13 @@ def load_hf_model(path: str | Path, model_args: tuple[tuple[str, Any], ...] = ()
     vocab = int(config.vocab_size)
     cls = transformers.AutoModelForCausalLM._model_mapping[type(config)]
     tp_plan, notes = _tp_plan(config, getattr(cls, "base_model_prefix", "") or "")
+    if tp_plan:  # entries for kinds of layer this model does not have (the dense MLP of
+        # an all-MoE config) are left out, as transformers leaves them
+        with torch.device("meta"):
+            names = [n for n, _ in transformers.AutoModelForCausalLM.from_config(
+                config).named_modules()]
+        tp_plan = tuple((k, v) for k, v in tp_plan
+                        if any(fnmatch.fnmatchcase(n, k) for n in names))
     weights = sorted(folder.glob("*.safetensors")) if p.is_dir() else []
 
     def build_model(**_applied: Any) -> nn.Module:  # model_args are in the config already

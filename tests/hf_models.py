@@ -20,6 +20,11 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
                             "attn_pdrop": 0.0, "bos_token_id": 0, "eos_token_id": 0}),
     "mixtral": ("MixtralConfig", {**TINY, "num_local_experts": 4, "num_experts_per_tok": 2}),
 }
+# families only unit tests load (not in the run matrix)
+MORE_FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
+    "qwen3_moe": ("Qwen3MoeConfig", {**TINY, "head_dim": 8, "num_experts": 4,
+                                     "num_experts_per_tok": 2, "moe_intermediate_size": 16}),
+}
 
 
 def write_config(folder: Path, family: str, weights: bool = False, seed: int = 1) -> Path:
@@ -27,7 +32,7 @@ def write_config(folder: Path, family: str, weights: bool = False, seed: int = 1
     import torch
     import transformers
 
-    cls, kwargs = FAMILIES[family]
+    cls, kwargs = {**FAMILIES, **MORE_FAMILIES}[family]
     config = getattr(transformers, cls)(**kwargs)
     if weights:
         torch.manual_seed(seed)

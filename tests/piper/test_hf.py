@@ -106,3 +106,14 @@ def test_replicated_norms_sum_their_gradients_over_the_tp_group(folders) -> None
         if n.op == "placeholder" and target.endswith(("q_norm.weight", "k_norm.weight")):
             assert [str(u.target) for u in n.users] == ["piper.tp_copy.default"], target
     assert any((t or "").endswith("layers.3.self_attn.k_norm.weight") for t in sig.values())
+
+
+def test_tp_plan_entries_for_absent_layers_are_left_out(tmp_path) -> None:
+    """An all-MoE Qwen3 has no dense MLP: its plan's mlp.*_proj entries match nothing and
+    are dropped (as transformers drops them), attention stays split."""
+    from tests.hf_models import write_config
+
+    spec = load_hf_model(write_config(tmp_path / "moe", "qwen3_moe"), seq_len=SEQ)
+    kept = dict(spec.tp_plan)
+    assert "model.layers.*.self_attn.q_proj" in kept
+    assert not any(".mlp." in k for k in kept)

@@ -80,7 +80,7 @@ def test_untagged_model_file_runs_with_automatic_regions(ray_session, capsys, tm
                "--device", "cpu", "--steps", "3", "--check"])
     out, err = capsys.readouterr()
     assert rc == 0, err
-    assert "regions: embed (2 modules), layer.0-3, head (2 modules)" in err
+    assert "regions: embed (1 module), layer.0-3, head (2 modules)" in err
     assert "check: passed" in out
 
 

@@ -169,7 +169,9 @@ def capture(spec: ModelSpec, batch: int, sharding: ModelSharding | None = None, 
 
 TRACE_DEVICE = "cpu"
 """The device type fake tensors claim during capture (`runtime.stage_module` points the
-ops that name it at the stage's real device)."""
+ops that name it at the stage's real device). CPU on every machine, so a capture is the
+same wherever it is made; a branch on the device type takes the CPU side, which also runs
+on GPUs in the cases we know (transformers' MoE offsets)."""
 
 
 def _export(spec: ModelSpec, batch: int, sharding: ModelSharding | None,
@@ -183,8 +185,8 @@ def _export(spec: ModelSpec, batch: int, sharding: ModelSharding | None,
                 auto = annotate_automatically(model)
             if prepare is not None:
                 prepare(model)
-        # traced on fake tensors of the device the model runs on, not on meta: code that
-        # branches on `x.device.type` (Hugging Face's MoE kernels) takes the run's branch
+        # traced on fake tensors of a real device type, not meta: code that branches on
+        # `x.device.type` (Hugging Face's MoE kernels) takes a branch that can run
         with FakeTensorMode(allow_non_fake_inputs=False):
             _fake_state(model, TRACE_DEVICE)
             args, kwargs, targets = spec.example(batch)

@@ -348,8 +348,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     check_workers(args.gpus, device, args.address)
     batch = _batch(args, spec)
     ev = Evaluator(spec, args.gpus, batch, CATALOG["cpu"])
-    if not args.json:
-        _tell_regions(ev)
+    _tell_regions(ev)
     program = _program(args, ev)
     plan = lower(spec, program, args.gpus, batch)
     summary = program.summary()

@@ -25,9 +25,17 @@ STRATEGIES = {
                       "--microbatches", "2"],
     "tp2": ["--gpus", "2", "--tp", "2", "--microbatches", "2"],
 }
+# what the search adds to the points above (recompute, buckets, a comm stream): once
+MORE = {
+    "recompute_pp2_tp2": ["--gpus", "4", "--pp", "2", "--tp", "2", "--microbatches", "2",
+                          "--recompute"],
+    "dp2_buckets_comm_stream": ["--gpus", "2", "--dp", "2", "--microbatches", "2",
+                                "--bucket-mb", "0.001", "--comm-stream"],
+}
 # tensor parallelism from the config's own base_model_tp_plan: GPT-2 declares none
 CASES = [(f, s) for f in sorted(FAMILIES) for s in STRATEGIES
-         if not (s == "tp2" and f == "gpt2")]
+         if not (s == "tp2" and f == "gpt2")] + [("qwen3", s) for s in MORE]
+STRATEGIES.update(MORE)
 
 
 @pytest.fixture(scope="module")

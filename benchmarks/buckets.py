@@ -25,7 +25,8 @@ from cost_models import CATALOG
 from piper import schedules
 from piper.model_file import load_model_file
 from planner.evaluate import Evaluator
-from runtime.launcher import lower, run
+from runtime.launcher import run
+from runtime.lowering import lower
 
 GPT = str(ROOT / "examples" / "gpt.py")
 

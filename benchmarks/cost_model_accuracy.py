@@ -32,7 +32,8 @@ from piper import schedules
 from piper.capture import capture
 from piper.model_file import load_model_file
 from planner.evaluate import Evaluator
-from runtime.launcher import RuntimeFailure, ensure_ray, lower, run
+from runtime.launcher import RuntimeFailure, ensure_ray, run
+from runtime.lowering import lower
 from runtime.profiling import measure
 from search_spaces.partition import balanced_stages
 

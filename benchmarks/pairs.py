@@ -27,7 +27,8 @@ from cost_models import CATALOG
 from piper import Order, Program, schedules
 from piper.model_file import load_model_file
 from planner.evaluate import Evaluator
-from runtime.launcher import lower, run
+from runtime.launcher import run
+from runtime.lowering import lower
 from runtime.plan import PAIR_STREAM
 from search_spaces.partition import balanced_stages
 

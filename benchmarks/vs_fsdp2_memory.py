@@ -46,7 +46,7 @@ from piper import schedules
 from piper.capture import capture
 from piper.model_file import load_model_file
 from planner.evaluate import Evaluator
-from runtime.launcher import lower
+from runtime.lowering import lower
 from runtime.plan import Plan
 from search_spaces.partition import balanced_stages
 

@@ -36,7 +36,8 @@ from cost_models import CATALOG
 from piper import schedules
 from piper.model_file import ModelSpec, load_model_file
 from planner.evaluate import Evaluator
-from runtime.launcher import Job, _free_port, ensure_ray, lower
+from runtime.launcher import Job, _free_port, ensure_ray
+from runtime.lowering import lower
 from search_spaces.partition import balanced_stages
 
 GPT = str(ROOT / "examples" / "gpt.py")

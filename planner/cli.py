@@ -338,7 +338,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     from planner.evaluate import Evaluator
     from planner.report import summary_line
     from planner.trace import write_trace
-    from runtime.launcher import RuntimeFailure, check_workers, lower, run
+    from runtime.launcher import RuntimeFailure, check_workers, run
+    from runtime.lowering import lower
     from runtime.reference import max_rel_diff, reference_losses
 
     spec = _spec(args)

@@ -30,7 +30,7 @@ from piper.sharding import ModelSharding
 from planner.cache import EvaluationCache, evaluation_key
 from planner.memory_bound import device_peaks, early_reduce_scatter_stages
 from planner.repeats import PlanningCapture, planning_capture
-from runtime.launcher import apply_for, program_microbatch_size
+from runtime.lowering import apply_for, program_microbatch_size
 from runtime.plan import Plan
 from runtime.scheduler import schedule
 from search_spaces.base import Infeasible

@@ -64,7 +64,8 @@ def measure(spec: ModelSpec, records: Sequence[TrialRecord], k: int, *, gpus: in
     """Run the top `k` candidates for real; measured ones fastest first, failures last."""
     import ray
 
-    from runtime.launcher import RuntimeFailure, check_workers, ensure_ray, lower, run
+    from runtime.launcher import RuntimeFailure, check_workers, ensure_ray, run
+    from runtime.lowering import lower
 
     check_workers(gpus, device, address)
     started = ensure_ray(address)  # one Ray for every candidate: its start is the slow part

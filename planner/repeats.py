@@ -11,7 +11,7 @@ inputs from copy k-1, its output to whatever followed the last copy), renamed.
 Used only when that is provably the same as the full capture up to value names: the two
 captured copies own exactly their children's parameters, run the same ops with the same
 FLOPs and saved bytes, and connect as a chain; otherwise the caller captures the whole
-model. Real runs always capture the whole model (`runtime.launcher.lower`).
+model. Real runs always capture the whole model (`runtime.lowering.lower`).
 """
 
 from __future__ import annotations

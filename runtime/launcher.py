@@ -1,5 +1,5 @@
-"""Driver side of a real run: capture, lower the Program to a Plan, start one Ray actor per
-rank, run the steps and gather losses, times and memory."""
+"""Driver side of a real run: start one Ray actor per rank for a lowered Plan
+(`runtime.lowering`), run the steps and gather losses, times and memory."""
 
 from __future__ import annotations
 
@@ -15,17 +15,11 @@ from typing import Any, Self
 import ray
 from ray.exceptions import RayActorError, RayError
 
-from piper.capture import Captured, capture
-from piper.dag import TrainingDAG, single_device_dag
-from piper.directives import Place
-from piper.errors import DirectiveError, PiperError
+from piper.errors import PiperError
 from piper.model_file import ModelSpec
-from piper.program import Program
-from piper.sharding import ModelSharding
 from runtime.dryrun import Span
 from runtime.plan import Plan
 from runtime.progress import read_progress
-from runtime.scheduler import schedule
 from runtime.worker import RemoteWorker
 
 POLL_S = 1.0  # the driver looks up from waiting this often (Ctrl-C, deadlines)
@@ -53,74 +47,6 @@ class RunResult:
     plan: Plan
     spans: tuple[Span, ...] = ()  # the last step's measured timeline
     model_state_bytes: tuple[int, ...] = ()  # per rank: peak params + grads + optimizer state
-
-
-def microbatch_size(batch_size: int, dp: int, microbatches: int) -> int:
-    """The per-microbatch sample count; a `PiperError` says which division fails."""
-    if batch_size % dp:
-        raise PiperError(f"batch size {batch_size} is not divisible by dp={dp}")
-    per = batch_size // dp
-    if per % microbatches:
-        raise PiperError(f"--microbatches {microbatches} does not divide the per-replica batch "
-                         f"{per} (batch {batch_size} / dp {dp})")
-    return per // microbatches
-
-
-def program_microbatch_size(program: Program, batch_size: int) -> int:
-    s = program.summary()
-    return microbatch_size(batch_size, s["dp"], s["microbatches"])
-
-
-def apply_for(program: Program, dag: TrainingDAG, gpus: int) -> TrainingDAG:
-    """Apply `program` to a single-device DAG and check it uses exactly `gpus` devices."""
-    _check_devices(program, gpus)
-    out = program.apply(dag)
-    if out.world_size != gpus:
-        raise PiperError(f"strategy needs pp={out.pp} x dp={out.dp} x tp={out.sharding.tp} = "
-                         f"{out.world_size} devices, but --gpus is {gpus}")
-    return out
-
-
-def _check_devices(program: Program, gpus: int) -> None:
-    """A Place on a device beyond the cluster, named by its directive (before `verify` would
-    only see a gap in the device numbers)."""
-    s = program.summary()
-    width = s["dp"] * s["tp"]
-    if width < 1 or gpus % width:
-        return  # the world-size check names every degree
-    devices = gpus // width
-    for i, d in enumerate(program.directives):
-        if isinstance(d, Place) and d.device >= devices:
-            raise DirectiveError(i, d, f"device {d.device} is out of range: --gpus {gpus} "
-                                 f"with dp={s['dp']} x tp={s['tp']} has pipeline devices "
-                                 f"0..{devices - 1}")
-
-
-def lower(spec: ModelSpec, program: Program, gpus: int, batch_size: int) -> Plan:
-    """Capture at the microbatch size, apply the Program, check the world size, schedule;
-    with tensor/expert parallelism, check here that the model splits, and that saved weights
-    fit the model (workers would fail)."""
-    mb = program_microbatch_size(program, batch_size)
-    if spec.weights:
-        from runtime.weights import check_weights
-
-        check_weights(spec)
-    plan = schedule(apply_for(program, single_device_dag(capture(spec, mb).graph), gpus))
-    if not plan.sharding.trivial:
-        capture_sharded(spec, mb, plan.sharding)
-    return plan
-
-
-def capture_sharded(spec: ModelSpec, batch: int, sharding: ModelSharding) -> Captured:
-    """One rank's tensor/expert-parallel slice of the model, captured on meta; `Infeasible`
-    (a one-line input error) when the model's code does not run at the local shapes."""
-    from search_spaces.base import Infeasible
-
-    try:
-        return capture(spec, batch, sharding)
-    except PiperError as e:
-        raise Infeasible(f"{sharding.describe()}: the model does not run split this way "
-                         f"(e.g. heads not divisible by tp): {e}") from None
 
 
 def ensure_ray(address: str | None = None) -> bool:

@@ -143,7 +143,8 @@ def short_run(spec: ModelSpec, gpus: int, device: str, timeout_s: float) -> RunS
     the probes' figures (`cost_models.calibrate`): time between tasks, and how much slower
     compute runs among the step's other work than alone."""
     from piper import schedules
-    from runtime.launcher import lower, run
+    from runtime.launcher import run
+    from runtime.lowering import lower
     from search_spaces.partition import balanced_stages
 
     names = capture(spec, 1).graph.names

@@ -10,7 +10,8 @@ import ray
 from piper import schedules
 from piper.capture import capture
 from piper.model_file import load_model_file
-from runtime.launcher import Job, lower
+from runtime.launcher import Job
+from runtime.lowering import lower
 from runtime.reference import max_rel_diff, reference_losses
 from tests.conftest import GPT
 

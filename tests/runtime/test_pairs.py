@@ -11,7 +11,8 @@ from __future__ import annotations
 from piper import schedules
 from piper.capture import capture
 from piper.model_file import load_model_file
-from runtime.launcher import lower, run
+from runtime.launcher import run
+from runtime.lowering import lower
 from runtime.plan import PAIR_STREAM
 from tests.conftest import GPT, ROOT
 

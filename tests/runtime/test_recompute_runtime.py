@@ -12,7 +12,8 @@ import torch
 import piper
 from piper import schedules
 from piper.model_file import load_model_file
-from runtime.launcher import lower, run
+from runtime.launcher import run
+from runtime.lowering import lower
 from runtime.memory import SavedTensors
 from runtime.recompute import recomputing
 from runtime.stage_module import StageModule, build_stage

@@ -7,7 +7,8 @@ import pytest
 
 from piper import schedules
 from piper.model_file import load_model_file
-from runtime.launcher import lower, run
+from runtime.launcher import run
+from runtime.lowering import lower
 from tests.conftest import GPT
 
 STAGES = [["embed", "layer.0", "layer.1"], ["layer.2", "layer.3", "head"]]

@@ -13,7 +13,8 @@ from cost_models import CATALOG
 from piper.dag import Kind, verify
 from piper.model_file import load_model_file, parse_model_args
 from planner.evaluate import Evaluator
-from runtime.launcher import apply_for, lower, run
+from runtime.launcher import run
+from runtime.lowering import apply_for, lower
 from runtime.reference import max_rel_diff, reference_losses
 from runtime.scheduler import schedule
 from search_spaces import Infeasible, PipelineSpace

@@ -11,7 +11,8 @@ import contextlib
 import contextvars
 import fnmatch
 from collections import Counter
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from functools import partial
 
 import torch
 import torch.fx.traceback as fx_traceback
@@ -72,16 +73,19 @@ def annotate_modules(model: torch.nn.Module, regions: Mapping[str, str]) -> torc
     if not tagged:
         raise ValueError(f"annotate_modules: no submodule matches {sorted(regions)}")
     for path, name in tagged:
-        _wrap(modules[path], name, counted=name in numbered)
+        tag_calls(modules[path], partial(annotate if name in numbered else fixed_tag, name))
     return model
 
 
-def _wrap(module: torch.nn.Module, name: str, counted: bool) -> None:
+def tag_calls(module: torch.nn.Module,
+              region: Callable[[], contextlib.AbstractContextManager]) -> None:
+    """Run each call of `module`'s forward inside the context `region()` gives then (an
+    `annotate` or `fixed_tag`), so the ops it traces carry that region's tag."""
     stack: list[contextlib.ExitStack] = []
 
     def pre(_mod: torch.nn.Module, _args: object) -> None:
         es = contextlib.ExitStack()
-        es.enter_context(annotate(name) if counted else fixed_tag(name))
+        es.enter_context(region())
         stack.append(es)
 
     def post(_mod: torch.nn.Module, _args: object, _out: object) -> None:

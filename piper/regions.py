@@ -16,10 +16,11 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
+from functools import partial
 
 from torch import nn
 
-from piper.annotate import annotate, fixed_tag
+from piper.annotate import annotate, fixed_tag, tag_calls
 from piper.errors import PiperError
 
 
@@ -81,37 +82,18 @@ def annotate_automatically(model: nn.Module, blocks: str | None = None) -> AutoR
         taken.append(path)
         _tag_by_time(m, path, auto)
     for block in layers:
-        _tag_block(block)
+        tag_calls(block, partial(annotate, "layer"))
     model.register_forward_pre_hook(lambda _m, _a: setattr(auto, "started", False))
     layers[0].register_forward_pre_hook(lambda _m, _a: setattr(auto, "started", True))
     return auto
 
 
-def _tag_block(block: nn.Module) -> None:
-    stack: list[contextlib.ExitStack] = []
-
-    def pre(_m: nn.Module, _a: object) -> None:
-        es = contextlib.ExitStack()
-        es.enter_context(annotate("layer"))
-        stack.append(es)
-
-    block.register_forward_pre_hook(pre)
-    block.register_forward_hook(lambda _m, _a, _o: stack.pop().close())
-
-
 def _tag_by_time(module: nn.Module, path: str, auto: AutoRegions) -> None:
     """`embed` before the first block runs, `head` after; one fixed tag per region."""
-    stack: list[contextlib.ExitStack] = []
-
-    def pre(_m: nn.Module, _a: object) -> None:
-        name = "head" if auto.started else "embed"
+    def region() -> contextlib.AbstractContextManager:
         seen = auto.head if auto.started else auto.embed
         if path not in seen:
             seen.append(path)
-        es = contextlib.ExitStack()
-        es.enter_context(fixed_tag(name))
-        stack.append(es)
+        return fixed_tag("head" if auto.started else "embed")
 
-    module.register_forward_pre_hook(pre)
-    module.register_forward_hook(lambda _m, _a, _o: stack.pop().close())
-
+    tag_calls(module, region)

@@ -24,7 +24,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from cost_models import comm
 from cost_models.cluster import ClusterSpec
 from cost_models.saved import saved_bytes
-from piper.capture import Captured
+from piper.capture import Captured, to_meta
 from piper.dag import Kind
 from runtime.buckets import early_reduce_scatters, early_stages
 from runtime.plan import Plan, Task
@@ -164,7 +164,7 @@ def model_costs(captured: Captured) -> ModelCosts:
     counter = _RegionCounter(ep.graph_module, captured.node_region, len(mg.regions))
     placeholders = [n for n in ep.graph.nodes if n.op == "placeholder"]
     with counter.mode:
-        counter.run(*(_to_meta(n.meta.get("val")) for n in placeholders))
+        counter.run(*(to_meta(n.meta.get("val")) for n in placeholders))
     measured = saved_bytes(captured)
     return ModelCosts(
         regions=mg.names,
@@ -205,7 +205,7 @@ class _RegionCounter(fx.Interpreter):
         try:
             out = super().run_node(n)
         except Exception:  # noqa: BLE001 - an op without a meta kernel: shapes from capture
-            out = _to_meta(n.meta.get("val"))
+            out = to_meta(n.meta.get("val"))
         r = self.node_region.get(n.name, 0)
         flops = self.mode.get_total_flops() - before
         self.flops[r] += flops
@@ -229,16 +229,6 @@ def _aliases(n: fx.Node) -> bool:
     if schema is None:
         return True  # operator.getitem and other Python glue
     return any(r.alias_info is not None for r in schema.returns)
-
-
-def _to_meta(val: object) -> object:
-    """Capture's fake tensors as plain meta tensors of the same shape, stride and dtype."""
-    def conv(v: object) -> object:
-        if isinstance(v, torch.Tensor):
-            return torch.empty_strided([int(d) for d in v.shape], [int(s) for s in v.stride()],
-                                       dtype=v.dtype, device="meta")
-        return v
-    return pytree.tree_map(conv, val)
 
 
 def _tokens_per_sample(captured: Captured) -> int:

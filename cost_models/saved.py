@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from piper.capture import Captured
+from piper.capture import Captured, to_meta
 from runtime.stage_module import StageModule, build_stage
 
 _META = torch.device("meta")
@@ -129,8 +129,7 @@ def _flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 def _meta_like(val: object) -> torch.Tensor:
     if not isinstance(val, torch.Tensor):
         raise TypeError(f"stage input without a tensor shape: {val!r}")
-    return torch.empty_strided([int(d) for d in val.shape], [int(s) for s in val.stride()],
-                               dtype=val.dtype, device=_META)
+    return to_meta(val)
 
 
 def _storage(t: torch.Tensor) -> int:

@@ -211,7 +211,7 @@ def _export(spec: ModelSpec, batch: int, sharding: ModelSharding | None,
             ep = _trace(model, args, kwargs)
         except Exception as e2:  # noqa: BLE001 - user code
             raise PiperError(f"{spec.path}: {_export_failure(e2)}") from None
-    return model, ep, pytree.tree_map(_meta, targets), auto
+    return model, ep, to_meta(targets), auto
 
 
 def _fake_state(model: torch.nn.Module, device: str) -> None:
@@ -283,12 +283,15 @@ def _register_dataclasses(model: torch.nn.Module, args: tuple, kwargs: dict) -> 
     return bool(found)
 
 
-def _meta(x: Any) -> Any:
-    """A fake tensor as a plain meta tensor (the cost models compute on meta)."""
-    if isinstance(x, torch.Tensor):
-        return torch.empty_strided(tuple(x.shape), tuple(x.stride()), dtype=x.dtype,
-                                   device="meta")
-    return x
+def to_meta(val: Any) -> Any:
+    """Capture's fake tensors (anywhere in a pytree) as plain meta tensors of the same
+    shape, stride and dtype: the cost models compute on meta."""
+    def conv(v: Any) -> Any:
+        if isinstance(v, torch.Tensor):
+            return torch.empty_strided([int(d) for d in v.shape], [int(s) for s in v.stride()],
+                                       dtype=v.dtype, device="meta")
+        return v
+    return pytree.tree_map(conv, val)
 
 
 def _export_failure(e: Exception) -> str:

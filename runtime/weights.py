@@ -9,7 +9,7 @@ columns (`safe_open`'s lazy slices). So no process ever holds the whole model.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -61,19 +61,11 @@ def check_weights(spec: ModelSpec) -> None:
     with torch.device("meta"):
         model = spec.build()
     files = tensor_files(spec.weights)  # type: ignore[arg-type]
-    aliases: dict[int, list[tuple[str, nn.Parameter]]] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        aliases.setdefault(id(p), []).append((name, p))
-    for named in aliases.values():
-        stored = next((n for n, _ in named if n in files), None)
-        if stored is None:
-            raise PiperError(f"{spec.weights}: no tensor for parameter {named[0][0]} in its "
-                             "*.safetensors files (saved from another model or version?)")
+    for names, p in _parameters(model):
+        stored = _stored(names, files, spec.weights)  # type: ignore[arg-type]
         with safe_open(str(files[stored]), framework="pt") as h:
             shape = tuple(h.get_slice(stored).get_shape())
-        if shape != tuple(named[0][1].shape):
-            raise PiperError(f"{spec.weights}: tensor {stored} has shape {shape}, the "
-                             f"model's {named[0][0]} {tuple(named[0][1].shape)}")
+        _same_shape(shape, stored, names[0], p, spec.weights)  # type: ignore[arg-type]
 
 
 def load_rank_model(spec: ModelSpec, device: torch.device, sharding: ModelSharding,
@@ -88,32 +80,20 @@ def load_rank_model(spec: ModelSpec, device: torch.device, sharding: ModelShardi
     split = {f"{m}.{w}": (style, parts) for m, (style, parts) in plan_targets(
         sharding.tp_plan, [n for n, _ in model.named_modules()]).items()
         for w in ("weight", "bias")} if sharding.tp > 1 else {}
-    aliases: dict[int, list[str]] = {}
-    params: dict[int, nn.Parameter] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        aliases.setdefault(id(p), []).append(name)
-        params[id(p)] = p
     handles: dict[Path, Any] = {}
     with contextlib.ExitStack() as stack:
-        for key, names in aliases.items():
+        for names, old in _parameters(model):
             if not set(names) & needed:
                 continue
-            stored = next((n for n in names if n in files), None)
-            if stored is None:
-                raise PiperError(f"{spec.weights}: no tensor for parameter {names[0]} in its "
-                                 "*.safetensors files")
+            stored = _stored(names, files, spec.weights)
             f = files[stored]
             if f not in handles:
                 from safetensors import safe_open
 
                 handles[f] = stack.enter_context(safe_open(str(f), framework="pt"))
-            old = params[key]
             t = _read(handles[f], stored, split.get(names[0]), sharding.tp, tp_rank,
                       names[0].endswith(".bias"))
-            if tuple(t.shape) != tuple(old.shape):
-                raise PiperError(f"{spec.weights}: tensor {stored} has shape "
-                                 f"{tuple(t.shape)}, the model's {names[0]} "
-                                 f"{tuple(old.shape)}")
+            _same_shape(tuple(t.shape), stored, names[0], old, spec.weights)
             new = nn.Parameter(t.to(device=device, dtype=old.dtype),
                                requires_grad=old.requires_grad)
             for n in names:
@@ -123,6 +103,32 @@ def load_rank_model(spec: ModelSpec, device: torch.device, sharding: ModelShardi
         owner, _, leaf = name.rpartition(".")
         model.get_submodule(owner)._buffers[leaf] = b.to(device)
     return model
+
+
+def _parameters(model: nn.Module) -> list[tuple[list[str], nn.Parameter]]:
+    """Each parameter once, with every name it has (a tied weight has several)."""
+    names: dict[int, list[str]] = {}
+    params: dict[int, nn.Parameter] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+        params[id(p)] = p
+    return [(names[k], params[k]) for k in names]
+
+
+def _stored(names: list[str], stored: Mapping[str, Any], folder: str) -> str:
+    """The name one of `names` (a parameter's aliases) is stored under."""
+    hit = next((n for n in names if n in stored), None)
+    if hit is None:
+        raise PiperError(f"{folder}: no tensor for parameter {names[0]} in its *.safetensors "
+                         "files (saved from another model or version?)")
+    return hit
+
+
+def _same_shape(shape: tuple[int, ...], stored: str, name: str, param: torch.Tensor,
+                folder: str) -> None:
+    if shape != tuple(param.shape):
+        raise PiperError(f"{folder}: tensor {stored} has shape {shape}, the model's {name} "
+                         f"{tuple(param.shape)}")
 
 
 def _read(handle: Any, name: str, style: tuple[str, int] | None, degree: int, rank: int,
@@ -154,12 +160,7 @@ def load_all_weights(model: nn.Module, folder: str | Path) -> nn.Module:
     state: dict[str, torch.Tensor] = {}
     for f in sorted(Path(folder).glob("*.safetensors")):
         state.update(load_file(str(f)))
-    missing, _ = model.load_state_dict(state, strict=False)
-    tied = {n for n, p in model.named_parameters(remove_duplicate=False)
-            if any(p is q for m, q in model.named_parameters() if m in state)}
-    lost = [n for n in missing if n not in tied and n in dict(model.named_parameters(
-        remove_duplicate=False))]
-    if lost:
-        raise PiperError(f"{folder}: no tensor for parameter {lost[0]} in its *.safetensors "
-                         "files")
+    for names, _ in _parameters(model):
+        _stored(names, state, str(folder))
+    model.load_state_dict(state, strict=False)
     return model

@@ -25,6 +25,7 @@ def search(args: argparse.Namespace) -> int:
         _device,
         _emit,
         _spec,
+        _tell_regions,
         log,
     )
     from planner.evaluate import Evaluator
@@ -55,8 +56,7 @@ def search(args: argparse.Namespace) -> int:
     log(f"captured {spec.path}: {len(graph.regions)} regions, "
         f"{sum(r.param_numel for r in graph.regions) / 1e6:,.1f}M parameters{folded} "
         f"({time.perf_counter() - t0:.1f} s)")
-    if ev.captured.regions_note():
-        log(ev.captured.regions_note())
+    _tell_regions(ev)
     space, dropped = search_space(ev, cluster.gpus_per_node)
     for line in dropped:
         log(f"left out {line}")

@@ -74,9 +74,14 @@ def load_hf_model(path: str | Path, model_args: tuple[tuple[str, Any], ...] = ()
         ids = torch.randint(0, vocab, (batch_size, seq))
         return {"input_ids": ids, "labels": ids}, None
 
+    def from_tokens(windows: torch.Tensor) -> tuple[dict[str, torch.Tensor], None]:
+        ids = windows[:, :-1]  # the model shifts its labels itself: the last token is unused
+        return {"input_ids": ids, "labels": ids}, None
+
     return ModelSpec(
         path=str(path), model_args=model_args, build_model=build_model,
-        example_batch=example_batch, loss_fn=default_loss, make_optimizer=default_optimizer,
+        example_batch=example_batch, from_tokens=from_tokens, loss_fn=default_loss,
+        make_optimizer=default_optimizer,
         batch_size=DEFAULT_BATCH_SIZE, tp_plan=tp_plan,
         options=(("seq_len", seq),), weights=str(folder) if weights else None,
         notes=tuple(notes), index_attrs=("layer_idx",))

@@ -58,6 +58,10 @@ class ModelSpec:
     options: tuple[tuple[str, Any], ...] = ()  # how it was loaded (a HF model's seq_len)
     weights: str | None = None  # a folder of *.safetensors each rank loads its part of
     notes: tuple[str, ...] = ()  # what the user should know about how it was read
+    train_batches: Callable[[int, int], Any] | None = field(repr=False, default=None)
+    """`train_batches(batch_size, seed)`: the model file's own data, global batches."""
+    from_tokens: Callable[[torch.Tensor], Any] = field(repr=False, default=None)  # type: ignore
+    """[B, T+1] token windows of `--data` -> (inputs, targets), as `example_batch` returns."""
     index_attrs: tuple[str, ...] = ()
     """Attributes a repeated block keeps only as its position (transformers' `layer_idx`
     indexes the KV cache, which training does not keep): copies differing only there are
@@ -82,9 +86,13 @@ class ModelSpec:
         """(positional inputs, keyword inputs, targets): `example_batch`'s inputs may be a
         tensor, a tuple of tensors or a dict of tensors (keyword arguments of forward, as
         Hugging Face models take `input_ids`, `attention_mask`, `labels`)."""
-        out = self.example_batch(batch_size)
+        return self.split(self.example_batch(batch_size), batch_size, "example_batch")
+
+    def split(self, out: Any, batch_size: int, what: str
+              ) -> tuple[tuple[Any, ...], dict[str, Any], Any]:
+        """`(inputs, targets)` as a model file returns them -> (args, kwargs, targets)."""
         if not (isinstance(out, tuple) and len(out) == 2):
-            raise PiperError(f"{self.path}: example_batch must return (inputs, targets)")
+            raise PiperError(f"{self.path}: {what} must return (inputs, targets)")
         inputs, targets = out
         if isinstance(inputs, Mapping):
             args, kwargs = (), dict(inputs)
@@ -92,7 +100,7 @@ class ModelSpec:
             args, kwargs = (inputs if isinstance(inputs, tuple) else (inputs,)), {}
         for key, t in [*enumerate(args), *kwargs.items()]:
             if not isinstance(t, torch.Tensor) or t.dim() == 0 or t.shape[0] != batch_size:
-                raise PiperError(f"{self.path}: example_batch({batch_size}) input {key!r} "
+                raise PiperError(f"{self.path}: {what}({batch_size}) input {key!r} "
                                  f"must be a tensor with batch dimension {batch_size} first")
         return args, kwargs, targets
 
@@ -100,6 +108,22 @@ class ModelSpec:
         """(inputs flattened in the order the captured graph takes them, targets)."""
         args, kwargs, targets = self.example(batch_size)
         return (*args, *kwargs.values()), targets
+
+    def tokens_to_batch(self, windows: torch.Tensor) -> Any:
+        """`--data` windows [B, T+1] as (inputs, targets): the model file's `from_tokens`,
+        else next-token prediction (inputs the first T tokens, targets the last T)."""
+        if self.from_tokens is not None:
+            return self.from_tokens(windows)
+        return windows[:, :-1], windows[:, 1:]
+
+    def seq_len(self) -> int:
+        """Tokens per sequence: the second dimension of the example batch's first input."""
+        args, kwargs, _ = self.example(1)
+        first = next(iter([*args, *kwargs.values()]))
+        if first.dim() < 2:
+            raise PiperError(f"{self.path}: --data needs token inputs [batch, seq]; the "
+                             f"first input of example_batch has shape {tuple(first.shape)}")
+        return int(first.shape[1])
 
 
 def _tp_plan(path: str | Path, plan: Any) -> tuple[tuple[str, str], ...]:
@@ -180,4 +204,5 @@ def load_model_file(path: str | Path, model_args: tuple[tuple[str, Any], ...] = 
         loss_fn=getattr(module, "loss_fn", default_loss),
         make_optimizer=getattr(module, "make_optimizer", default_optimizer),
         batch_size=batch_size,
+        train_batches=getattr(module, "train_batches", None),
     )

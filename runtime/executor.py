@@ -23,12 +23,20 @@ from piper.dag import Kind
 from piper.lanes import ComputeToken, computing, lane
 from piper.model_file import ModelSpec
 from runtime.buckets import GradBuckets, bucketed, early_reduce_scatters, early_stages
+from runtime.checkpoint import load as load_checkpoint
+from runtime.checkpoint import prepare_optimizer_state, rank_state
+from runtime.checkpoint import save as save_checkpoint
+from runtime.data import BatchSource, slice_tree
+from runtime.holdings import holdings
+from runtime.layout import Slicing
 from runtime.memory import MemoryLedger, SavedTensors
 from runtime.plan import COMPUTE_STREAM, PAIR_STREAM, Plan, RankPlan, Task
-from runtime.rank_stages import align, deferring, rank_model, renamed
+from runtime.rank_stages import align, deferring, full_model_names, rank_model, renamed
 from runtime.recompute import recomputing
 from runtime.stage_module import StageModule, build_stage
 from runtime.streams import DeviceStreams
+from runtime.training import TrainConfig, make_optimizer
+from runtime.updates import Updater
 from runtime.weight_grad import WeightGradStore, collecting
 from runtime.zero import ShardedStage
 
@@ -54,6 +62,7 @@ class _StepState:
     saved: dict[tuple, _Saved] = field(default_factory=dict)
     pending: list[Any] = field(default_factory=list)  # (isend work, tensor kept alive)
     posted: dict[int, list[tuple[Any, torch.Tensor]]] = field(default_factory=dict)
+    gathers: list[int] = field(default_factory=list)  # ZeRO gathers after the updates
     spans: list[tuple[str, Task, float, float]] = field(default_factory=list)  # stream, ...
     loss_sum: float = 0.0
     t0: float = 0.0
@@ -68,6 +77,8 @@ class StepOutcome:
     peak_memory_bytes: int
     model_state_bytes: int  # peak of parameters + gradients + optimizer state so far
     spans: list[tuple[str, Task, float, float]] = field(default_factory=list)  # stream, ...
+    grad_norm: float = float("nan")  # of the whole model's gradient (every rank: the same)
+    lr: float = float("nan")  # the learning rate this step used
 
 
 class RankExecutor:
@@ -77,7 +88,11 @@ class RankExecutor:
 
     def __init__(self, plan: Plan, rank: int, spec: ModelSpec, captured: Captured,
                  batch_size: int, seed: int, device: torch.device,
-                 groups: dict[tuple[int, ...], Any]) -> None:
+                 groups: dict[tuple[int, ...], Any], train: TrainConfig | None = None,
+                 done: int = 0) -> None:
+        """`done`: steps trained before (a resumed run: the schedule and data go on)."""
+        train = train or TrainConfig()
+        self.train = train
         self.plan = plan
         self.rank = rank
         self.mesh = plan.mesh
@@ -93,6 +108,7 @@ class RankExecutor:
         experts = {f"{m}.{w}" for m in sh.experts for w in ("w1", "w2")} if sh.ep > 1 else set()
         self.expert_group = self.mesh.lift(self.mesh.expert_dp_group(logical), self.tp_rank)
         params = dict(model.named_parameters(remove_duplicate=False))  # tied: every name
+        canon = {id(p): n for n, p in model.named_parameters()}  # a tied weight: first name
         buffers = dict(model.named_buffers())
         self.stages: dict[int, StageModule] = {}
         self.params: dict[int, list[torch.nn.Parameter]] = {}
@@ -100,11 +116,15 @@ class RankExecutor:
         self.slot: dict[int, list[int]] = {}  # input position -> index into params[s] or -1
         self.optim: dict[int, torch.optim.Optimizer] = {}
         self.sharded: dict[int, ShardedStage] = {}
+        self.names: dict[Any, list[str]] = {}  # per optimizer: its parameters' model names
         names = plan.model.names
         # stages whose backward is split: their matmuls against parameters defer the weight
         # products from I to W (runtime.weight_grad)
         self.split = {t.stage for t in self.rp.tasks if t.kind is Kind.BWD_I}
         tied = {p for ps, stages in plan.ties for p in ps if set(stages) & set(self.rp.stages)}
+        # a tied weight's copy that counts (norm, checkpoint): its group's first stage's
+        self.tie_owner = {p for ps, stages in plan.ties for p in ps
+                          if stages[0] in self.rp.stages}
         # per stage: parameters whose gradients are summed apart from the stage's own (tied
         # ones across stages, experts over their expert group), so never ZeRO-sharded
         self.apart: dict[int, list[torch.nn.Parameter]] = {}
@@ -152,28 +172,38 @@ class RankExecutor:
                 ranks = self.mesh.lift(tuple(range(first, first + plan.dp)), self.tp_rank)
                 self.sharded[s] = ShardedStage(self.params[s], plan.zero, groups[ranks],
                                                self.rp.replica, plan.dp, plan.bucket_bytes)
+                self.names[s] = [canon[id(p)] for p in self.params[s]]
                 self.params[s] = []  # the full copies are released; the flat buffer rules
                 self.inputs[s] = [None if k >= 0 else t for t, k in zip(fixed, self.slot[s])]
-                self.optim[s] = spec.make_optimizer(self.sharded[s].shards)
+                self.optim[s] = make_optimizer(spec, self.sharded[s].shards, train)
             else:
-                self.optim[s] = spec.make_optimizer(self.params[s])
+                self.optim[s] = make_optimizer(spec, self.params[s], train)
         for key, ps in self.params.items():
             if isinstance(key, tuple):
-                self.optim[key] = spec.make_optimizer(ps)  # type: ignore[index]
+                self.optim[key] = make_optimizer(spec, ps, train)  # type: ignore[index]
+            if key not in self.sharded:
+                self.names[key] = [canon[id(p)] for p in ps]
+        self.slicing = Slicing(sh, *full_model_names(spec), self.tp_rank,
+                               self.rp.replica % sh.ep)
+        self.held = holdings(self.optim, self.names, self.params, self.sharded, self.slicing,
+                             self._owner)
+        self.buffers = {n: b for n, b in model.named_buffers()
+                        if n in set(model.state_dict())}  # persistent ones, for checkpoints
         del model  # parameters not on this rank are released here
         self.buckets, self.arm_at = self._gradient_buckets()
         self.early_rs = early_reduce_scatters(plan)
-        torch.manual_seed(seed)
-        inputs, targets = spec.batch(batch_size)
+        self.source = BatchSource(spec, batch_size, seed, train.data, train.data_dtype)
         per_replica = batch_size // plan.dp
         self.mb_size = per_replica // plan.microbatches
-        lo = self.rp.replica * per_replica
-        self.batch = tuple(t[lo:lo + per_replica].to(device) for t in inputs)
-        self.targets = _slice(targets, lo, lo + per_replica, device)
+        self.rows = (self.rp.replica * per_replica, (self.rp.replica + 1) * per_replica)
+        self.step_index = done
         self.loss_scale = 1.0 / (plan.dp * plan.microbatches)
         self.ledger = MemoryLedger(device)
         self.activation_bytes: dict[int, int] = {}  # per stage: what one chunk keeps
         self.streams = DeviceStreams(device, [n for n, _ in self.rp.streams], COMPUTE_STREAM)
+        self.updater = Updater(self.optim, self.held, train, device, done,
+                               keep=self.streams.keep)
+        self.scheduled_lr = self.updater.lr
         # CPU: the lanes of overlapped pairs take turns computing (threads would only
         # compete for the rank's cores); communication of one overlaps the other's math
         paired = any(name == PAIR_STREAM for name, _ in self.rp.streams)
@@ -197,10 +227,41 @@ class RankExecutor:
                 nxt = next((c for c in chunks if c > b), len(tasks))
                 ahead[a] = [t for t in tasks[a + 1:nxt] if t.kind is Kind.RECV]
 
+    def checkpoint_state(self, saving: bool) -> dict[str, Any]:
+        """This rank's part of a checkpoint (`runtime.checkpoint`)."""
+        buffers = self.buffers if self.rank == 0 or not saving else {}
+        return rank_state(self.held, self.optim, buffers, saving)
+
+    def save(self, folder: str) -> None:
+        save_checkpoint(self.checkpoint_state(saving=True), folder)
+
+    def load(self, folder: str) -> None:
+        """Parameters, optimizer state and buffers from a checkpoint of any layout."""
+        prepare_optimizer_state(self.held, self.optim, folder)
+        load_checkpoint(self.checkpoint_state(saving=False), folder)
+
+    def _owner(self, key: Any, name: str) -> bool:
+        """Whether this rank's copy of parameter `name` (of optimizer `key`) is the one that
+        counts: of a tensor-parallel replicated one, TP rank 0's; of a data-parallel copy,
+        replica 0's (experts: of their expert-data-parallel group); a ZeRO shard is this
+        rank's alone; a tied weight counts on its group's first stage."""
+        if not (self.slicing.tp_split(name) or self.tp_rank == 0):
+            return False
+        if key in self.sharded:
+            return True
+        if isinstance(key, tuple) and key[0] == "experts":
+            return self.rp.replica < self.plan.sharding.ep
+        if isinstance(key, tuple) and key[0] == "tied" and name not in self.tie_owner:
+            return False
+        return self.rp.replica == 0
+
     # ---- one step -----------------------------------------------------------------------
     def step(self) -> StepOutcome:
         """One training step: each logical stream of this rank in its own thread (the
         compute stream in this one), synchronised by one event per task."""
+        inputs, targets = self.source.rows(self.step_index, *self.rows)
+        self.batch = tuple(t.to(self.device) for t in inputs)
+        self.targets = _to(targets, self.device)
         st = _StepState({t.name: threading.Event() for t in self.rp.tasks})
         self.ledger.start_step()
         self.streams.start_step()
@@ -224,13 +285,19 @@ class RankExecutor:
             raise st.error
         for work, _ in st.pending:
             work.wait()
+        grad_norm = self.updater.finish()
+        for stage in st.gathers:
+            self.sharded[stage].materialize()
+        lr = self.scheduled_lr
+        self.scheduled_lr = self.updater.lr
+        self.step_index += 1
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         elapsed = time.perf_counter() - st.t0
         # tensor-parallel ranks compute the same loss: one of them reports it
         has_loss = self.plan.output_stage in self.rp.stages and self.tp_rank == 0
         return StepOutcome(st.loss_sum if has_loss else None, elapsed, self.ledger.peak(),
-                           self.ledger.model_state_peak(), st.spans)
+                           self.ledger.model_state_peak(), st.spans, grad_norm, lr)
 
     def _run_stream(self, stream: str, tasks: tuple[Task, ...], st: _StepState) -> None:
         try:  # the pair lane's in-graph collectives have communicators of their own
@@ -342,6 +409,8 @@ class RankExecutor:
             pass  # a parameter-free stage: every replica skips alike
         elif task.kind is Kind.ALL_REDUCE:
             self._all_reduce(task)
+        elif task.kind is Kind.ALL_GATHER and self.updater.waiting(task.stage):
+            st.gathers.append(task.stage)  # gathers the step's update: after it (clipping)
         elif task.kind is Kind.ALL_GATHER:
             self.sharded[task.stage].materialize()
         elif task.kind is Kind.REDUCE_SCATTER:
@@ -350,14 +419,17 @@ class RankExecutor:
             sh.reduce_scatter(task.mb)
         elif task.kind is Kind.UPDATE:
             if ("tied", task.stage) in self.optim:
-                self._step(("tied", task.stage))
+                self.updater.ready(("tied", task.stage))
             if ("experts", task.stage) in self.optim:
                 if len(self.expert_group) > 1:
                     self._reduce(self.params[("experts", task.stage)], self.expert_group,
                                  lifted=True)
-                self._step(("experts", task.stage))
+                self.updater.ready(("experts", task.stage))
             if task.stage in self.optim:
-                self._update(task.stage)
+                if task.stage in self.sharded:
+                    self.streams.keep(self.sharded[task.stage].grad_shards())
+                    self.sharded[task.stage].attach_grads()
+                self.updater.ready(task.stage)
 
     def _gradient_buckets(self) -> tuple[dict[int, GradBuckets], set[tuple[int, int]]]:
         """Per stage with a bucketed all-reduce (`Replicate(bucket_mb=...)`), its buckets;
@@ -389,20 +461,6 @@ class RankExecutor:
             link = self.groups[("p2p", peer, self.rank, task.grad)]
             out.append((link.irecv(buf, peer, task.tag + k), buf))
         return out
-
-    def _update(self, stage: int) -> None:
-        if stage in self.sharded:
-            self.streams.keep(self.sharded[stage].grad_shards())
-            self.sharded[stage].step(self.optim[stage])
-        else:
-            self._step(stage)
-
-    def _step(self, key: Any) -> None:
-        # gradients may come from a comm stream's collective: the optimizer's use counts too
-        self.streams.keep(p.grad for g in self.optim[key].param_groups for p in g["params"]
-                          if p.grad is not None)
-        self.optim[key].step()
-        self.optim[key].zero_grad(set_to_none=True)
 
     def _forward(self, task: Task, acts: dict[tuple[str, int], torch.Tensor]) -> _Saved:
         sm = self.stages[task.stage]
@@ -445,7 +503,7 @@ class RankExecutor:
         saved = _Saved(leaves, outs, deferred=deferred, views=views)
         if sm.model_outputs:
             pred = sm.model_output(outs)
-            tgt = _slice(self.targets, lo, hi, self.device)
+            tgt = slice_tree(self.targets, lo, hi)
             with counting():  # the loss keeps a log-softmax the size of the logits
                 saved.loss = self.spec.loss_fn(pred, tgt) * self.loss_scale
         if kept is not None:
@@ -555,9 +613,11 @@ def _accumulate(st: _StepState, key: tuple[str, int], g: torch.Tensor) -> None:
         st.grads[key] = st.grads[key] + g if key in st.grads else g
 
 
-def _slice(x: Any, lo: int, hi: int, device: torch.device) -> Any:
+def _to(x: Any, device: torch.device) -> Any:
     if isinstance(x, torch.Tensor):
-        return x[lo:hi].to(device)
+        return x.to(device)
     if isinstance(x, (tuple, list)):
-        return type(x)(_slice(t, lo, hi, device) for t in x)
+        return type(x)(_to(t, device) for t in x)
+    if isinstance(x, dict):
+        return {k: _to(t, device) for k, t in x.items()}
     return x

@@ -17,9 +17,11 @@ from ray.exceptions import RayActorError, RayError
 
 from piper.errors import PiperError
 from piper.model_file import ModelSpec
+from runtime.checkpoint import commit, step_folder
 from runtime.dryrun import Span
 from runtime.plan import Plan
 from runtime.progress import read_progress
+from runtime.training import TrainConfig
 from runtime.worker import RemoteWorker
 
 POLL_S = 1.0  # the driver looks up from waiting this often (Ctrl-C, deadlines)
@@ -37,7 +39,10 @@ class RuntimeFailure(Exception):
 class StepResult:
     step: int
     loss: float
-    time_s: float
+    time_s: float  # the slowest rank's
+    grad_norm: float = float("nan")  # of the whole model's gradient, before clipping
+    lr: float = float("nan")
+    peak_memory_bytes: tuple[int, ...] = ()  # per rank, so far
 
 
 @dataclass(frozen=True)
@@ -103,8 +108,8 @@ def _free_port() -> int:
 
 
 def run(spec: ModelSpec, plan: Plan, *, batch_size: int, steps: int, seed: int,
-        device: str = "cpu", address: str | None = None, timeout_s: float = 300.0
-        ) -> RunResult:
+        device: str = "cpu", address: str | None = None, timeout_s: float = 300.0,
+        train: TrainConfig | None = None) -> RunResult:
     """Train `steps` steps of `plan` on real worker processes (a `Job` from start to end).
 
     `timeout_s` bounds every collective and P2P transfer (the process groups' timeout); the
@@ -114,7 +119,7 @@ def run(spec: ModelSpec, plan: Plan, *, batch_size: int, steps: int, seed: int,
     (KeyboardInterrupt, re-raised). A Ray instance this call started is shut down.
     """
     with Job(spec, plan, batch_size=batch_size, seed=seed, device=device, address=address,
-             timeout_s=timeout_s) as job:
+             timeout_s=timeout_s, train=train) as job:
         for _ in range(steps):
             job.step()
         return job.finish()
@@ -127,9 +132,11 @@ class Job:
     this job started."""
 
     def __init__(self, spec: ModelSpec, plan: Plan, *, batch_size: int, seed: int,
-                 device: str = "cpu", address: str | None = None, timeout_s: float = 300.0
-                 ) -> None:
+                 device: str = "cpu", address: str | None = None, timeout_s: float = 300.0,
+                 train: TrainConfig | None = None, done: int = 0) -> None:
+        """`done`: steps trained before (the ranks' state is then loaded by `restore`)."""
         self.plan = plan
+        self.done = done
         self.started = False
         world = plan.world_size
         self.folder = tempfile.mkdtemp(prefix="piper-run-",
@@ -149,7 +156,8 @@ class Job:
                 for r in range(world)]
             # setup also starts the processes and captures the model: it gets more time
             _Waiter(max(timeout_s, SETUP_MIN_S) + DEADLINE_SLACK_S, self.folder)(
-                [a.setup.remote(plan, batch_size, seed, timeout_s) for a in self.actors],
+                [a.setup.remote(plan, batch_size, seed, timeout_s, train, done)
+                 for a in self.actors],
                 "setup")
         except BaseException:
             self.close()
@@ -165,12 +173,28 @@ class Job:
     def step(self) -> StepResult:
         """One training step on every rank: the loss summed over the output stage's ranks,
         and the slowest rank's time."""
-        k = len(self.results)
+        k = len(self.results) + self.done
         self.outs = self.wait([a.step.remote() for a in self.actors], f"step {k}")
         loss = sum(o.loss_sum for o in self.outs if o.loss_sum is not None)
-        self.results.append(StepResult(k, loss, max(o.time_s for o in self.outs)))
+        lrs = [o.lr for o in self.outs if o.lr == o.lr]  # a rank without parameters: nan
+        self.results.append(StepResult(
+            k, loss, max(o.time_s for o in self.outs), self.outs[0].grad_norm,
+            lrs[0] if lrs else float("nan"), tuple(o.peak_memory_bytes for o in self.outs)))
         self.peaks = [max(p, o.peak_memory_bytes) for p, o in zip(self.peaks, self.outs)]
         return self.results[-1]
+
+    def save(self, root: str, info: dict[str, Any]) -> str:
+        """A checkpoint of the steps so far under `root` (`runtime.checkpoint`): every rank
+        writes its part into a temporary folder, which becomes the latest checkpoint only
+        once all have finished."""
+        step = len(self.results) + self.done
+        tmp = step_folder(root, step, tmp=True)
+        self.wait([a.save.remote(str(tmp)) for a in self.actors], f"saving step {step}")
+        return str(commit(root, step, info))
+
+    def restore(self, folder: str) -> None:
+        """Every rank's state from a checkpoint (of any strategy)."""
+        self.wait([a.load.remote(folder) for a in self.actors], "loading the checkpoint")
 
     def finish(self) -> RunResult:
         """Shut the ranks down in order and report every step so far, with the last step's

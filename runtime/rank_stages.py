@@ -30,6 +30,15 @@ def rank_model(spec: ModelSpec, graph: ModelGraph, plan: Plan, rp: RankPlan, tp_
     return sh.apply(model, tp_rank, rp.replica % sh.ep)
 
 
+def full_model_names(spec: ModelSpec) -> tuple[list[str], dict[str, tuple[int, ...]]]:
+    """The whole model's module names and parameter shapes by name (a tied weight by its
+    first name), built on meta: no memory."""
+    with torch.device("meta"):
+        model = spec.build()
+    return ([n for n, _ in model.named_modules()],
+            {n: tuple(p.shape) for n, p in model.named_parameters()})
+
+
 def own_params(graph: ModelGraph, plan: Plan, rp: RankPlan) -> set[str]:
     """Names of the parameters this rank's stages use (tied ones included)."""
     mine = {r for s in rp.stages for r in plan.stage_regions[s]}

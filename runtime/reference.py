@@ -2,30 +2,65 @@
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+from dataclasses import dataclass
+
 import torch
 
 from piper.model_file import ModelSpec
+from runtime.data import BatchSource
+from runtime.training import TrainConfig, make_optimizer, make_scheduler
 
 
-def reference_losses(spec: ModelSpec, *, batch_size: int, steps: int, seed: int) -> list[float]:
-    """Losses of `steps` full-batch steps per DESIGN.md's training semantics."""
+@dataclass(frozen=True)
+class ReferenceStep:
+    loss: float
+    grad_norm: float
+    lr: float
+
+
+def reference_run(spec: ModelSpec, *, batch_size: int, steps: int, seed: int,
+                  train: TrainConfig | None = None) -> list[ReferenceStep]:
+    """`steps` full-batch steps per DESIGN.md's training semantics, with `train`'s data,
+    optimizer overrides, LR schedule, clipping (`clip_grad_norm_`) and precision (bf16-mixed:
+    the forward under `torch.autocast(bfloat16)`, fp32 parameters and optimizer)."""
+    train = train or TrainConfig()
     torch.manual_seed(seed)
     model = spec.build()
     if spec.weights:
         from runtime.weights import load_all_weights
 
         load_all_weights(model, spec.weights)
-    opt = spec.make_optimizer(model.parameters())
-    torch.manual_seed(seed)
-    args, kwargs, targets = spec.example(batch_size)
-    losses = []
-    for _ in range(steps):
-        loss = spec.loss_fn(model(*args, **kwargs), targets)
+    if train.precision == "bf16":
+        model = model.to(torch.bfloat16)
+    opt = make_optimizer(spec, model.parameters(), train)
+    sched = make_scheduler(opt, train)
+    source = BatchSource(spec, batch_size, seed, train.data, train.data_dtype)
+    autocast = (torch.autocast("cpu", dtype=torch.bfloat16)
+                if train.precision == "bf16-mixed" else nullcontext())
+    out = []
+    for k in range(steps):
+        args, kwargs, targets = source.structured(k, 0, batch_size)
+        with autocast:
+            loss = spec.loss_fn(model(*args, **kwargs), targets)
         loss.backward()
+        params = [p for p in model.parameters() if p.grad is not None]
+        if train.clip_grad is not None:
+            norm = torch.nn.utils.clip_grad_norm_(params, train.clip_grad)
+        else:
+            norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+        lr = opt.param_groups[0]["lr"]
         opt.step()
+        sched.step()
         opt.zero_grad(set_to_none=True)
-        losses.append(float(loss.detach()))
-    return losses
+        out.append(ReferenceStep(float(loss.detach()), float(norm), float(lr)))
+    return out
+
+
+def reference_losses(spec: ModelSpec, *, batch_size: int, steps: int, seed: int,
+                     train: TrainConfig | None = None) -> list[float]:
+    return [s.loss for s in reference_run(spec, batch_size=batch_size, steps=steps, seed=seed,
+                                          train=train)]
 
 
 def max_rel_diff(a: list[float], b: list[float]) -> float:

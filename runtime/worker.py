@@ -18,6 +18,7 @@ from runtime.executor import RankExecutor, StepOutcome
 from runtime.p2p import make_links
 from runtime.plan import PAIR_STREAM, Plan
 from runtime.progress import ProgressFile, progress_path
+from runtime.training import TrainConfig
 
 
 class Worker:
@@ -38,7 +39,8 @@ class Worker:
         if self.progress:
             self.progress.phase("setup")
 
-    def setup(self, plan: Plan, batch_size: int, seed: int, timeout_s: float) -> int:
+    def setup(self, plan: Plan, batch_size: int, seed: int, timeout_s: float,
+              train: TrainConfig | None = None, done: int = 0) -> int:
         if self.device_type == "cuda":
             device = torch.device("cuda", 0)  # Ray sets CUDA_VISIBLE_DEVICES to our GPU
             torch.cuda.set_device(device)
@@ -65,7 +67,8 @@ class Worker:
         mb = batch_size // (plan.dp * plan.microbatches)
         sharding = None if plan.sharding.trivial else plan.sharding
         self.ex = RankExecutor(plan, self.rank, spec, capture(spec, mb, sharding), batch_size,
-                               seed, device, groups)
+                               seed, device, groups, train, done)
+        self.steps = done
         return os.getpid()
 
     def step(self) -> StepOutcome:
@@ -78,6 +81,18 @@ class Worker:
             self.progress.phase(f"after step {self.steps}")
         self.steps += 1
         return out
+
+    def save(self, folder: str) -> None:
+        assert self.ex is not None, "setup() first"
+        if self.progress:
+            self.progress.phase(f"saving a checkpoint after step {self.steps - 1}")
+        self.ex.save(folder)
+
+    def load(self, folder: str) -> None:
+        assert self.ex is not None, "setup() first"
+        if self.progress:
+            self.progress.phase(f"loading checkpoint {folder}")
+        self.ex.load(folder)
 
     def shutdown(self) -> None:
         if dist.is_initialized():

@@ -86,7 +86,7 @@ class ShardedStage:
 
     def __init__(self, params: list[torch.nn.Parameter], zero: int, group: Any,
                  group_rank: int, group_size: int, bucket_bytes: int = 0) -> None:
-        self.zero, self.group, self.size = zero, group, group_size
+        self.zero, self.group, self.size, self.rank = zero, group, group_size, group_rank
         nbytes = [p.numel() * p.element_size() for p in params]
         ranges = ([sorted(b) for b in bucket_indices(nbytes, bucket_bytes)] if bucket_bytes
                   else [list(range(len(params)))])
@@ -220,12 +220,22 @@ class ShardedStage:
         return [g for u in self.units for g in (*u.pending.values(), u.full_grad)
                 if g is not None] + [g for *_, g in self._inflight]
 
-    def step(self, optim: torch.optim.Optimizer) -> None:
+    def attach_grads(self) -> None:
+        """Hand each shard its summed gradient, for the optimizer."""
         for u in self.units:
             u.shard.grad = u.grad_shard
             u.grad_shard = None
-        optim.step()
-        optim.zero_grad(set_to_none=True)
+
+    def spans(self) -> list[tuple[int, int, int]]:
+        """Per unit and parameter (in stage order): (unit, the parameter's first flat
+        element in the unit's buffer, its numel), with this rank's shard range known from
+        `shard_range`."""
+        return [(k, u.offsets[j], u.numels[j]) for k, u in enumerate(self.units)
+                for j in range(len(u.shapes))]
+
+    def shard_range(self, k: int) -> tuple[int, int]:
+        u = self.units[k]
+        return self.rank * u.chunk, (self.rank + 1) * u.chunk
 
     def grad_shards(self) -> list[torch.Tensor]:
         return [u.grad_shard for u in self.units if u.grad_shard is not None]

@@ -1,0 +1,58 @@
+"""Training metrics of `piper-plan run`: TensorBoard events (the `tensorboard` package's
+writer, through `torch.utils.tensorboard`) and `metrics.jsonl`, one JSON object per step."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from piper.errors import PiperError
+
+SCALARS = ("loss", "grad_norm", "lr", "time_s", "tokens_per_s", "mfu")
+
+
+class MetricsLog:
+    def __init__(self, folder: str, ranks: int) -> None:
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:
+            raise PiperError("--log-dir writes TensorBoard events: pip install tensorboard"
+                             ) from None
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        self.writer = SummaryWriter(log_dir=folder)
+        self.jsonl = (Path(folder) / "metrics.jsonl").open("a")
+        self.ranks = ranks
+
+    def write(self, row: dict[str, Any]) -> None:
+        step = row["step"] + 1  # steps trained
+        for key in SCALARS:
+            if row.get(key) is not None:
+                self.writer.add_scalar(f"train/{key}", row[key], step)
+        for r, b in enumerate(row["peak_memory_bytes"]):
+            self.writer.add_scalar(f"memory/peak_bytes_rank{r}", b, step)
+        self.writer.flush()
+        self.jsonl.write(json.dumps(row) + "\n")
+        self.jsonl.flush()
+
+    def close(self) -> None:
+        self.writer.close()
+        self.jsonl.close()
+
+
+def device_peak_flops(device: str, low_precision: bool) -> float | None:
+    """Peak dense FLOP/s of one worker's device for the precision: the catalog entry of the
+    local GPU's model (None if the catalog does not know it); on CPU the `cpu` entry."""
+    from cost_models import CATALOG
+
+    if device == "cpu":
+        return CATALOG["cpu"].peak_flops(low_precision)
+    import torch
+
+    name = torch.cuda.get_device_name(0).upper()
+    for spec in CATALOG.values():
+        model = spec.device.split()[1].split("-")[0].upper() if spec.device.startswith(
+            "NVIDIA") else None
+        if model and model in name:
+            return spec.peak_flops(low_precision)
+    return None

@@ -1,0 +1,191 @@
+"""`piper-plan run`: train a strategy on Ray workers — data, precision, LR schedule,
+clipping, checkpoints and resume, metrics — and optionally check it against single-device
+training. Kept apart from `planner.cli` (parsing and the small commands) as `search` is."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from piper.errors import PiperError
+from runtime.training import PRECISIONS, SCHEDULES, TrainConfig
+
+CHECK_RTOL = {"fp32": 1e-4, "bf16-mixed": 2e-2, "bf16": 5e-2}
+
+
+def add_train_flags(r: argparse.ArgumentParser) -> None:
+    r.add_argument("--steps", type=int, default=3,
+                   help="train until this step (a resumed run continues up to it)")
+    r.add_argument("--precision", choices=PRECISIONS,
+                   help="fp32 (default on CPU), bf16-mixed (default on CUDA: bf16 compute, "
+                        "fp32 master weights and optimizer), or bf16")
+    r.add_argument("--reduce-dtype", choices=["fp32", "bf16"], default="fp32",
+                   help="dtype of gradient all-reduces and reduce-scatters")
+    r.add_argument("--data", metavar="FILE", help="pre-tokenized token file (flat uint16 or "
+                   "uint32 array); default: the model file's train_batches or example_batch")
+    r.add_argument("--data-dtype", choices=["uint16", "uint32"], default="uint16")
+    r.add_argument("--lr", type=float, help="learning rate (default: the model's optimizer's)")
+    r.add_argument("--weight-decay", type=float)
+    r.add_argument("--warmup", type=int, default=0, metavar="STEPS")
+    r.add_argument("--lr-schedule", choices=SCHEDULES, default="constant")
+    r.add_argument("--min-lr", type=float, default=0.0)
+    r.add_argument("--lr-decay-steps", type=int, metavar="N",
+                   help="the schedule's horizon (default: --steps)")
+    r.add_argument("--clip-grad", type=float, metavar="NORM",
+                   help="clip the global gradient norm (over every shard) to NORM")
+    r.add_argument("--checkpoint-dir", metavar="DIR")
+    r.add_argument("--checkpoint-every", type=int, default=0, metavar="K",
+                   help="save every K steps (and after the last) into --checkpoint-dir")
+    r.add_argument("--resume", action="store_true",
+                   help="continue from the newest complete checkpoint in --checkpoint-dir")
+    r.add_argument("--log-dir", metavar="DIR",
+                   help="write TensorBoard events and metrics.jsonl here")
+
+
+def train_config(args: argparse.Namespace, device: str) -> TrainConfig:
+    if args.lr_decay_steps is not None and args.lr_decay_steps < 1:
+        raise PiperError(f"--lr-decay-steps must be >= 1, got {args.lr_decay_steps}")
+    precision = args.precision or ("bf16-mixed" if device == "cuda" else "fp32")
+    return TrainConfig(
+        precision=precision, reduce_dtype=args.reduce_dtype, lr=args.lr,
+        weight_decay=args.weight_decay, warmup=args.warmup, lr_schedule=args.lr_schedule,
+        min_lr=args.min_lr, decay_steps=args.lr_decay_steps or args.steps,
+        clip_grad=args.clip_grad, data=args.data, data_dtype=args.data_dtype).check()
+
+
+def run(args: argparse.Namespace) -> int:
+    from cost_models import CATALOG
+    from planner.cli import (
+        EXIT_FAILED,
+        EXIT_OK,
+        EXIT_RUNTIME,
+        _batch,
+        _device,
+        _emit,
+        _program,
+        _spec,
+        _tell_regions,
+        log,
+    )
+    from planner.evaluate import Evaluator
+    from planner.metrics import MetricsLog, device_peak_flops
+    from planner.report import summary_line
+    from planner.trace import write_trace
+    from runtime import checkpoint
+    from runtime.data import BatchSource
+    from runtime.launcher import Job, RuntimeFailure, check_workers
+    from runtime.lowering import lower
+    from runtime.rank_stages import full_model_names
+    from runtime.reference import max_rel_diff, reference_run
+
+    spec = _spec(args)
+    if args.steps < 1:
+        raise PiperError(f"--steps must be >= 1, got {args.steps}")
+    if args.checkpoint_every < 0:
+        raise PiperError(f"--checkpoint-every must be >= 0, got {args.checkpoint_every}")
+    if (args.checkpoint_every or args.resume) and not args.checkpoint_dir:
+        flag = "--resume" if args.resume else "--checkpoint-every"
+        raise PiperError(f"{flag} needs --checkpoint-dir")
+    device = _device(args)
+    check_workers(args.gpus, device, args.address)
+    train = train_config(args, device)
+    batch = _batch(args, spec)
+    BatchSource(spec, batch, args.seed, train.data, train.data_dtype)  # bad data: exit 2 now
+    done, folder = 0, None
+    if args.resume:
+        folder = checkpoint.latest(args.checkpoint_dir)
+        if folder is None:
+            raise PiperError(f"--resume: no complete checkpoint in {args.checkpoint_dir}")
+        saved = checkpoint.info(folder)
+        for key, mine in (("batch_size", batch), ("seed", args.seed)):
+            if saved.get(key, mine) != mine:
+                raise PiperError(f"--resume: {folder} was trained with {key} "
+                                 f"{saved[key]}, this run has {mine}")
+        checkpoint.check_compatible(folder, full_model_names(spec)[1])
+        done = int(saved["step"])
+        if done >= args.steps:
+            log(f"{folder} is at step {done}: nothing to train up to --steps {args.steps}")
+            return EXIT_OK
+    ev = Evaluator(spec, args.gpus, batch, CATALOG["cpu"])
+    _tell_regions(ev)
+    program = _program(args, ev)
+    plan = lower(spec, program, args.gpus, batch)
+    summary = program.summary()
+    info = {"batch_size": batch, "seed": args.seed, "strategy": summary,
+            "model": list(spec.source[:2]), "options": list(spec.options),
+            "precision": train.precision}
+    flops = 3 * ev.costs.forward_flops_per_sample * batch  # forward and twice that backward
+    peak = device_peak_flops(device, train.precision != "fp32")
+    tokens = batch * _tokens_per_sample(spec)
+    log(f"running {summary_line(summary)} on {args.gpus} {device} workers, {train.precision}"
+        + (f", from {folder} (step {done})" if folder else ""))
+    metrics = MetricsLog(args.log_dir, args.gpus) if args.log_dir else None
+    try:
+        with Job(spec, plan, batch_size=batch, seed=args.seed, device=device,
+                 address=args.address, timeout_s=args.timeout, train=train, done=done) as job:
+            if folder is not None:
+                job.restore(str(folder))
+            for k in range(done, args.steps):
+                s = job.step()
+                row = {"step": s.step, "loss": s.loss, "grad_norm": s.grad_norm, "lr": s.lr,
+                       "time_s": s.time_s, "tokens_per_s": tokens / s.time_s,
+                       "mfu": flops / s.time_s / (peak * args.gpus) if peak else None,
+                       "peak_memory_bytes": list(s.peak_memory_bytes)}
+                print(_progress(row, args.steps), file=sys.stderr, flush=True)
+                if metrics:
+                    metrics.write(row)
+                last = k + 1 == args.steps
+                if args.checkpoint_dir and ((args.checkpoint_every and (k + 1) %
+                                             args.checkpoint_every == 0) or last):
+                    path = job.save(args.checkpoint_dir, info)
+                    log(f"checkpoint: {path}")
+            result = job.finish()
+    except RuntimeFailure as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_RUNTIME
+    finally:
+        if metrics:
+            metrics.close()
+    if args.trace:
+        write_trace(result.spans, args.trace)
+    out: dict[str, Any] = {
+        "steps": [{"step": s.step, "loss": s.loss, "time_s": s.time_s,
+                   "grad_norm": s.grad_norm, "lr": s.lr} for s in result.steps],
+        "peak_memory_bytes": list(result.peak_memory_bytes),
+        "summary": summary,
+        "precision": train.precision,
+    }
+    passed = True
+    if args.check:
+        ref = reference_run(spec, batch_size=batch, steps=args.steps, seed=args.seed,
+                            train=train)[done:]
+        diff = max_rel_diff([s.loss for s in result.steps], [r.loss for r in ref])
+        passed = diff <= CHECK_RTOL[train.precision]
+        out["check"] = {"passed": passed, "max_rel_diff": diff,
+                        "rtol": CHECK_RTOL[train.precision]}
+    if args.json:
+        _emit(out)
+    elif args.check:
+        print(f"check: {'passed' if passed else 'FAILED'} (max relative difference "
+              f"{out['check']['max_rel_diff']:.2e} against single-device training, "
+              f"rtol {CHECK_RTOL[train.precision]:g})")
+    return EXIT_OK if passed else EXIT_FAILED
+
+
+def _tokens_per_sample(spec: Any) -> int:
+    try:
+        return spec.seq_len()
+    except PiperError:
+        return 1  # not a token model: samples
+
+
+def _progress(row: dict[str, Any], steps: int) -> str:
+    from planner.report import fmt_bytes
+
+    mfu = f"  MFU {row['mfu'] * 100:.1f}%" if row["mfu"] is not None else ""
+    return (f"step {row['step'] + 1}/{steps}  loss {row['loss']:.4f}  "
+            f"grad-norm {row['grad_norm']:.3f}  lr {row['lr']:.2e}  "
+            f"{row['tokens_per_s']:,.0f} tokens/s{mfu}  "
+            f"memory {fmt_bytes(max(row['peak_memory_bytes']))}  "
+            f"{row['time_s'] * 1e3:.1f} ms")

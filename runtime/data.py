@@ -1,0 +1,125 @@
+"""Training data: the global batch of every step, the same whatever the strategy.
+
+Three sources, by what the user gave:
+
+* `--data FILE`: a flat array of token ids (uint16 or uint32, as nanoGPT's and Megatron's
+  preprocessing write them), memory-mapped. It is cut into non-overlapping windows of
+  `seq_len + 1` tokens; each epoch visits them in a permutation drawn from (seed, epoch),
+  and step k's global batch is samples `k*B .. k*B+B-1` of that order. A rank reads only
+  the windows of its own rows.
+* `train_batches(batch_size, seed)` in the model file: a generator of global batches;
+  step k is its k-th (a rank makes every batch and keeps its rows).
+* neither: `example_batch`, one fixed batch every step (the equivalence demonstrator).
+
+The data position a checkpoint keeps is the step: every source is a function of it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import torch
+
+from piper.errors import PiperError
+from piper.model_file import ModelSpec
+
+Rows = tuple[tuple[torch.Tensor, ...], Any]  # (flat inputs, targets) of some rows
+Split = tuple[tuple[torch.Tensor, ...], dict[str, torch.Tensor], Any]  # (args, kwargs, targets)
+
+
+class TokenFile:
+    """Windows of `seq_len + 1` tokens of a memory-mapped token file."""
+
+    def __init__(self, path: str, seq_len: int, dtype: str = "uint16", seed: int = 0) -> None:
+        try:
+            self.tokens = np.memmap(path, dtype=np.dtype(dtype), mode="r")
+        except (OSError, ValueError) as e:
+            raise PiperError(f"--data {path}: cannot read as {dtype} tokens: {e}") from None
+        self.window = seq_len + 1
+        self.count = len(self.tokens) // self.window
+        if self.count < 1:
+            raise PiperError(f"--data {path}: {len(self.tokens)} tokens hold no window of "
+                             f"{self.window} (seq_len + 1)")
+        self.seed = seed
+        self._perm: tuple[int, torch.Tensor] | None = None
+
+    def _order(self, epoch: int) -> torch.Tensor:
+        if self._perm is None or self._perm[0] != epoch:
+            g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+            self._perm = (epoch, torch.randperm(self.count, generator=g))
+        return self._perm[1]
+
+    def windows(self, first: int, n: int) -> torch.Tensor:
+        """Samples `first .. first+n-1` of the visiting order, as int64 [n, seq_len + 1]."""
+        out = np.empty((n, self.window), dtype=np.int64)
+        for i in range(n):
+            epoch, j = divmod(first + i, self.count)
+            w = int(self._order(epoch)[j])
+            out[i] = self.tokens[w * self.window:(w + 1) * self.window]
+        return torch.from_numpy(out)
+
+
+class BatchSource:
+    """Rows `lo:hi` of step k's global batch of `batch_size`."""
+
+    def __init__(self, spec: ModelSpec, batch_size: int, seed: int, data: str | None = None,
+                 data_dtype: str = "uint16") -> None:
+        self.spec, self.batch_size, self.seed = spec, batch_size, seed
+        self.file = TokenFile(data, spec.seq_len(), data_dtype, seed) if data else None
+        self._gen: Iterator[Any] | None = None
+        self._at = 0  # the generator's next step
+        self._fixed: Split | None = None
+
+    @property
+    def fixed(self) -> bool:
+        """One batch every step (no data given)."""
+        return self.file is None and self.spec.train_batches is None
+
+    def rows(self, step: int, lo: int, hi: int) -> Rows:
+        """(inputs flattened in the order the captured graph takes them, targets)."""
+        args, kwargs, targets = self.structured(step, lo, hi)
+        return (*args, *kwargs.values()), targets
+
+    def structured(self, step: int, lo: int, hi: int) -> Split:
+        """(positional inputs, keyword inputs, targets) of rows `lo:hi` of step `step`."""
+        if self.file is not None:
+            windows = self.file.windows(step * self.batch_size + lo, hi - lo)
+            return self.spec.split(self.spec.tokens_to_batch(windows), hi - lo, "--data")
+        if self.spec.train_batches is not None:
+            return _slice(self._generated(step), lo, hi)
+        if self._fixed is None:
+            torch.manual_seed(self.seed)
+            self._fixed = self.spec.example(self.batch_size)
+        return _slice(self._fixed, lo, hi)
+
+    def _generated(self, step: int) -> Split:
+        if self._gen is None or step < self._at:
+            self._gen, self._at = iter(self.spec.train_batches(self.batch_size, self.seed)), 0
+        while True:
+            try:
+                out = next(self._gen)
+            except StopIteration:
+                raise PiperError(f"{self.spec.path}: train_batches ran out after "
+                                 f"{self._at} batches (step {step} needs one)") from None
+            self._at += 1
+            if self._at > step:
+                return self.spec.split(out, self.batch_size, "train_batches")
+
+
+def _slice(batch: Split, lo: int, hi: int) -> Split:
+    args, kwargs, targets = batch
+    return (tuple(t[lo:hi] for t in args), {k: t[lo:hi] for k, t in kwargs.items()},
+            slice_tree(targets, lo, hi))
+
+
+def slice_tree(x: Any, lo: int, hi: int) -> Any:
+    """Rows `lo:hi` of every tensor in `x` (targets may be a tensor, a tuple or None)."""
+    if isinstance(x, torch.Tensor):
+        return x[lo:hi]
+    if isinstance(x, (tuple, list)):
+        return type(x)(slice_tree(t, lo, hi) for t in x)
+    if isinstance(x, dict):
+        return {k: slice_tree(t, lo, hi) for k, t in x.items()}
+    return x

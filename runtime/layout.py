@@ -1,0 +1,139 @@
+"""Where each element of a rank's tensors sits in the model's own tensors.
+
+A rank holds its parameters (and their gradients and optimizer state) in one of two
+carriers: the parameter itself, cut by tensor/expert parallelism to blocks of the model's
+tensor, or a ZeRO shard, a flat range of several such parameters laid end to end. Both
+reduce to `Box`es: a block of one model tensor (name, offsets, sizes), contiguous in the
+carrier from `start`. Checkpoints write and read boxes under the model's names (so any
+strategy reads what any other wrote), and the global gradient norm sums the boxes a rank
+`owns`, so a copy held by several ranks counts once.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from piper.sharding import ModelSharding
+from piper.tensor_parallel import plan_targets
+
+Shape = tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Box:
+    name: str  # the model's parameter name (the first of a tied weight's names)
+    full: Shape  # the model tensor's shape
+    offsets: Shape  # where the block starts in it
+    sizes: Shape
+    start: int  # where the block starts in the flat carrier
+    owner: bool  # this rank writes it and counts it in the gradient norm
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.sizes)
+
+    def view(self, carrier: torch.Tensor) -> torch.Tensor:
+        return carrier.reshape(-1)[self.start:self.start + self.numel].view(self.sizes)
+
+
+@dataclass(frozen=True)
+class Piece:
+    """A block of the local tensor and where it lies in the model's tensor."""
+
+    local: Shape
+    sizes: Shape
+    full: Shape
+
+
+class Slicing:
+    """How tensor and expert parallelism cut each parameter of a model (names as in
+    `named_parameters`), from the model's module names and its full shapes."""
+
+    def __init__(self, sharding: ModelSharding, module_names: list[str],
+                 full_shapes: dict[str, Shape], tp_rank: int, ep_rank: int) -> None:
+        self.sh, self.full = sharding, full_shapes
+        self.tp_rank, self.ep_rank = tp_rank, ep_rank
+        self.styles = {f"{m}.{w}": st for m, st in plan_targets(
+            sharding.tp_plan, module_names).items() for w in ("weight", "bias")
+        } if sharding.tp > 1 else {}
+        self.experts = {f"{m}.{w}" for m in sharding.experts for w in ("w1", "w2")
+                        } if sharding.ep > 1 else set()
+
+    def tp_split(self, name: str) -> bool:
+        """Each tensor-parallel rank holds a different part (else rank 0's copy counts)."""
+        style = self.styles.get(name)
+        return style is not None and not (style[0] == "rowwise" and name.endswith(".bias"))
+
+    def pieces(self, name: str) -> list[Piece]:
+        full = self.full[name]
+        zero = (0,) * len(full)
+        if name in self.experts:
+            n = full[0] // self.sh.ep
+            sizes = (n, *full[1:])
+            return [Piece(zero, sizes, (self.ep_rank * n, *zero[1:]))]
+        if not self.tp_split(name):
+            return [Piece(zero, full, zero)]
+        kind, parts = self.styles[name]
+        tp, r = self.sh.tp, self.tp_rank
+        if kind == "colwise":
+            block = full[0] // parts
+            piece = block // tp
+            rest = full[1:]
+            return [Piece((k * piece, *zero[1:]), (piece, *rest),
+                          (k * block + r * piece, *zero[1:])) for k in range(parts)]
+        cols = full[1] // tp  # rowwise weight: this rank's input columns
+        return [Piece(zero, (full[0], cols), (0, r * cols))]
+
+    def local_shape(self, name: str) -> Shape:
+        ps = self.pieces(name)
+        return tuple(max(p.local[d] + p.sizes[d] for p in ps) for d in range(len(ps[0].sizes)))
+
+    def boxes(self, name: str, lo: int, hi: int, base: int, owner: bool) -> list[Box]:
+        """Boxes of the local parameter `name`'s flat elements `lo:hi`, which sit in the
+        carrier from `base` (its element `lo` at `base + lo`)."""
+        shape = self.local_shape(name)
+        strides = [math.prod(shape[d + 1:]) for d in range(len(shape))]
+        out = []
+        for off, sizes in range_boxes(shape, lo, hi):
+            for p in self.pieces(name):
+                a = [max(o, q) for o, q in zip(off, p.local)]
+                b = [min(o + s, q + t) for o, s, q, t in zip(off, sizes, p.local, p.sizes)]
+                if any(x >= y for x, y in zip(a, b)):
+                    continue
+                sub = tuple(y - x for x, y in zip(a, b))
+                start = sum(x * s for x, s in zip(a, strides))
+                out.append(Box(name, self.full[name],
+                               tuple(f + x - q for f, x, q in zip(p.full, a, p.local)),
+                               sub, base + start, owner))
+        return out
+
+
+def range_boxes(shape: Shape, lo: int, hi: int) -> list[tuple[Shape, Shape]]:
+    """Flat elements `lo:hi` of a row-major tensor of `shape` as (offsets, sizes) blocks,
+    each contiguous: a partial row, whole rows, a partial row (recursively by dimension)."""
+    if lo >= hi:
+        return []
+    if len(shape) <= 1:
+        return [((lo,), (hi - lo,))] if shape else [((), ())]
+    inner = math.prod(shape[1:])
+    r0, o0 = divmod(lo, inner)
+    r1, o1 = divmod(hi, inner)
+    out: list[tuple[Shape, Shape]] = []
+
+    def within(row: int, a: int, b: int) -> None:
+        out.extend(((row, *o), (1, *s)) for o, s in range_boxes(shape[1:], a, b))
+
+    if r0 == r1:
+        within(r0, o0, o1)
+        return out
+    if o0:
+        within(r0, o0, inner)
+        r0 += 1
+    if r1 > r0:
+        out.append(((r0, *(0,) * (len(shape) - 1)), (r1 - r0, *shape[1:])))
+    if o1:
+        within(r1, 0, o1)
+    return out

@@ -123,3 +123,18 @@ def slice_tree(x: Any, lo: int, hi: int) -> Any:
     if isinstance(x, dict):
         return {k: slice_tree(t, lo, hi) for k, t in x.items()}
     return x
+
+
+def write_synthetic_tokens(path: str, count: int, vocab: int, seed: int = 0) -> str:
+    """A deterministic token file with structure a model can learn (each token is a fixed
+    function of the previous two, one in eight replaced by noise): data for tests and
+    benchmarks that ship no corpus."""
+    g = np.random.default_rng(seed)
+    out = np.empty(count, dtype=np.uint16 if vocab <= 2**16 else np.uint32)
+    out[:2] = g.integers(0, vocab, 2)
+    noise = g.integers(0, vocab, count)
+    flip = g.random(count) < 0.125
+    for i in range(2, count):
+        out[i] = noise[i] if flip[i] else (7 * int(out[i - 1]) + 3 * int(out[i - 2]) + 1) % vocab
+    out.tofile(path)
+    return path

@@ -104,6 +104,8 @@ class RankExecutor:
         rename = align(captured.graph, plan.model, rank)
         sh = plan.sharding
         model = rank_model(spec, captured.graph, plan, self.rp, self.tp_rank, seed, device)
+        if train.precision == "bf16":  # parameters, gradients and optimizer state in bf16
+            model = model.to(torch.bfloat16)
         # with expert parallelism the experts follow their own data-parallel group
         experts = {f"{m}.{w}" for m in sh.experts for w in ("w1", "w2")} if sh.ep > 1 else set()
         self.expert_group = self.mesh.lift(self.mesh.expert_dp_group(logical), self.tp_rank)
@@ -123,7 +125,7 @@ class RankExecutor:
         self.split = {t.stage for t in self.rp.tasks if t.kind is Kind.BWD_I}
         tied = {p for ps, stages in plan.ties for p in ps if set(stages) & set(self.rp.stages)}
         # a tied weight's copy that counts (norm, checkpoint): its group's first stage's
-        self.tie_owner = {p for ps, stages in plan.ties for p in ps
+        self.tie_owner = {canon[id(params[p])] for ps, stages in plan.ties for p in ps
                           if stages[0] in self.rp.stages}
         # per stage: parameters whose gradients are summed apart from the stage's own (tied
         # ones across stages, experts over their expert group), so never ZeRO-sharded
@@ -171,7 +173,8 @@ class RankExecutor:
                 first = self.rp.device * plan.dp
                 ranks = self.mesh.lift(tuple(range(first, first + plan.dp)), self.tp_rank)
                 self.sharded[s] = ShardedStage(self.params[s], plan.zero, groups[ranks],
-                                               self.rp.replica, plan.dp, plan.bucket_bytes)
+                                               self.rp.replica, plan.dp, plan.bucket_bytes,
+                                               train.grad_reduce_dtype)
                 self.names[s] = [canon[id(p)] for p in self.params[s]]
                 self.params[s] = []  # the full copies are released; the flat buffer rules
                 self.inputs[s] = [None if k >= 0 else t for t, k in zip(fixed, self.slot[s])]
@@ -226,6 +229,21 @@ class RankExecutor:
             for a, b in zip(chunks, chunks[1:] + [len(tasks)]):
                 nxt = next((c for c in chunks if c > b), len(tasks))
                 ahead[a] = [t for t in tasks[a + 1:nxt] if t.kind is Kind.RECV]
+
+    def autocast(self) -> Any:
+        """bf16-mixed: the stage's math in bf16 as `torch.autocast` casts it."""
+        if self.train.precision != "bf16-mixed":
+            return nullcontext()
+        return torch.autocast(self.device.type, dtype=torch.bfloat16)
+
+    def _wire_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """What a value travels between stages as: bf16 when training in bf16."""
+        if self.train.precision == "fp32" or not dtype.is_floating_point:
+            return dtype
+        return self.train.compute_dtype
+
+    def _wire(self, t: torch.Tensor) -> torch.Tensor:
+        return t.to(self._wire_dtype(t.dtype))
 
     def checkpoint_state(self, saving: bool) -> dict[str, Any]:
         """This rank's part of a checkpoint (`runtime.checkpoint`)."""
@@ -390,7 +408,7 @@ class RankExecutor:
         elif task.kind is Kind.SEND:
             store = grads if task.grad else acts
             for k, v in enumerate(task.values):
-                t = store[(v, task.mb)].detach().contiguous()
+                t = self._wire(store[(v, task.mb)].detach()).contiguous()
                 peer = self.mesh.physical(task.peer, self.tp_rank)
                 link = self.groups[("p2p", self.rank, peer, task.grad)]
                 st.pending.append((link.isend(t, peer, task.tag + k), t))
@@ -456,7 +474,8 @@ class RankExecutor:
         out = []
         for k, v in enumerate(task.values):
             info = self.plan.model.value(v)
-            buf = torch.empty(info.shape, dtype=getattr(torch, info.dtype), device=self.device)
+            buf = torch.empty(info.shape, device=self.device,
+                              dtype=self._wire_dtype(getattr(torch, info.dtype)))
             peer = self.mesh.physical(task.peer, self.tp_rank)
             link = self.groups[("p2p", peer, self.rank, task.grad)]
             out.append((link.irecv(buf, peer, task.tag + k), buf))
@@ -494,7 +513,7 @@ class RankExecutor:
                                      zip(sm.inputs, args) if k in ("param", "buffer")}
                             ) if counted is None else None
         counting = kept.counting if kept is not None else nullcontext
-        with collecting(deferred), counting():
+        with collecting(deferred), counting(), self.autocast():
             outs = dict(zip(sm.outputs, sm.module(*args)))
         if shard is not None and shard.zero == 3:
             shard.free()  # reshard after every chunk; backward gathers again
@@ -504,7 +523,7 @@ class RankExecutor:
         if sm.model_outputs:
             pred = sm.model_output(outs)
             tgt = slice_tree(self.targets, lo, hi)
-            with counting():  # the loss keeps a log-softmax the size of the logits
+            with counting(), self.autocast():  # the loss keeps a log-softmax
                 saved.loss = self.spec.loss_fn(pred, tgt) * self.loss_scale
         if kept is not None:
             counted = self.activation_bytes[task.stage] = kept.bytes_with(
@@ -530,7 +549,7 @@ class RankExecutor:
             g = st.grads.pop((name, task.mb), None)
             if g is not None and t.requires_grad:
                 roots.append(t)
-                seeds.append(g)
+                seeds.append(g.to(t.dtype))  # from the wire (bf16) to the value's own
         leaves = [x for _, x in saved.acts]
         weights = self.apart[task.stage] + (
             saved.views if shard is not None else self.params[task.stage])
@@ -573,7 +592,7 @@ class RankExecutor:
             return fixed[key].grad  # type: ignore[union-attr]
 
         def set_grad(key: int, g: torch.Tensor) -> None:
-            fixed[key].grad = g  # type: ignore[union-attr]
+            fixed[key].grad = g.to(fixed[key].dtype)  # type: ignore[union-attr]
 
         if saved.deferred is not None:
             with torch.no_grad():
@@ -600,8 +619,10 @@ class RankExecutor:
         gs = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
         self.streams.keep(gs)  # made by backward on the compute stream
         flat = _flatten_dense_tensors(gs)
+        wire = flat.to(self.train.grad_reduce_dtype) if flat.is_floating_point() else flat
         ranks = group if lifted else self.mesh.lift(group, self.tp_rank)
-        dist.all_reduce(flat, group=self.groups[ranks])
+        dist.all_reduce(wire, group=self.groups[ranks])
+        flat = wire.to(flat.dtype)
         for p, g in zip(params, _unflatten_dense_tensors(flat, gs)):
             p.grad = g
 

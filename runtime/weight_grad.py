@@ -72,6 +72,8 @@ class WeightGradStore:
                 into = grad_of(key)
                 if into is None:
                     set_grad(key, grad())
+                elif into.dtype != dy.dtype:  # autocast: a low-precision product, added
+                    into.add_(grad())
                 else:
                     grad(into)
 
@@ -146,7 +148,14 @@ class _WeightMatmul(torch.autograd.Function):
 
 def weight_matmul(kind: str, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
                   wkey: int, bkey: int) -> torch.Tensor:
-    """What a rewritten stage module calls in place of a matmul against a parameter."""
+    """What a rewritten stage module calls in place of a matmul against a parameter. Under
+    autocast its operands are cast as autocast would cast a matmul's (autograd records the
+    casts, so gradients reach fp32 parameters as fp32)."""
+    dev = x.device.type
+    if torch.is_autocast_enabled(dev):
+        dt = torch.get_autocast_dtype(dev)
+        x, w = x.to(dt), w.to(dt)
+        b = None if b is None else b.to(dt)
     return _WeightMatmul.apply(kind, x, w, b, wkey, bkey)
 
 

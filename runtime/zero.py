@@ -78,6 +78,7 @@ class _Unit:
         return out
 
     def add_to_shard(self, out: torch.Tensor) -> None:
+        out = out.to(self.flat.dtype)  # reduced in another dtype: back to the parameters'
         self.grad_shard = out if self.grad_shard is None else self.grad_shard + out
 
 
@@ -85,7 +86,10 @@ class ShardedStage:
     """Flat parameters of one stage in units, this rank's shard of each, their gradients."""
 
     def __init__(self, params: list[torch.nn.Parameter], zero: int, group: Any,
-                 group_rank: int, group_size: int, bucket_bytes: int = 0) -> None:
+                 group_rank: int, group_size: int, bucket_bytes: int = 0,
+                 reduce_dtype: torch.dtype | None = None) -> None:
+        """`reduce_dtype`: what gradients are reduce-scattered in (default: theirs)."""
+        self.reduce_dtype = reduce_dtype
         self.zero, self.group, self.size, self.rank = zero, group, group_size, group_rank
         nbytes = [p.numel() * p.element_size() for p in params]
         ranges = ([sorted(b) for b in bucket_indices(nbytes, bucket_bytes)] if bucket_bytes
@@ -168,6 +172,8 @@ class ShardedStage:
 
     def _scatter(self, u: _Unit, g: torch.Tensor, async_op: bool) -> tuple[Any, torch.Tensor]:
         """Start (or run) the reduce-scatter of unit `u`'s flat gradient `g`."""
+        if self.reduce_dtype is not None and g.is_floating_point():
+            g = g.to(self.reduce_dtype)
         out = torch.empty(u.chunk, dtype=g.dtype, device=g.device)
         return dist.reduce_scatter_single(out, g, group=self.group, async_op=async_op), out
 
@@ -227,11 +233,11 @@ class ShardedStage:
             u.grad_shard = None
 
     def spans(self) -> list[tuple[int, int, int]]:
-        """Per unit and parameter (in stage order): (unit, the parameter's first flat
+        """Per parameter, in the stage's order: (its unit, its first flat
         element in the unit's buffer, its numel), with this rank's shard range known from
         `shard_range`."""
-        return [(k, u.offsets[j], u.numels[j]) for k, u in enumerate(self.units)
-                for j in range(len(u.shapes))]
+        return [(k, self.units[k].offsets[j], self.units[k].numels[j])
+                for k, j in (self._where[i] for i in range(len(self._where)))]
 
     def shard_range(self, k: int) -> tuple[int, int]:
         u = self.units[k]

@@ -9,7 +9,8 @@ import pytest
 
 from piper.model_file import load_model_file, parse_model_args
 from planner.cli import main
-from runtime.reference import max_rel_diff, reference_losses
+from runtime.reference import max_rel_diff, reference_run
+from runtime.training import TrainConfig
 from tests.conftest import GPT, ROOT, TINY
 
 CASES = {
@@ -143,9 +144,16 @@ def run_json(capsys, argv: list[str]) -> tuple[int, dict]:
     return rc, json.loads(out[0])
 
 
+# every case trains as a real run does: global gradient clipping (set low, so that it
+# clips every step) and a warmed-up cosine schedule, which must match single-device
+# `clip_grad_norm_` and the same schedule
+TRAIN = ["--clip-grad", "0.05", "--lr-schedule", "cosine", "--warmup", "2", "--steps", "5"]
+TRAIN_CONFIG = TrainConfig(clip_grad=0.05, lr_schedule="cosine", warmup=2, decay_steps=5)
+
+
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_strategy_reproduces_single_device_losses(ray_session, capsys, case):
-    argv = ["run", GPT, *TINY, *CASES[case], "--device", "cpu", "--steps", "3", "--seed", "0",
+    argv = ["run", GPT, *TINY, *CASES[case], "--device", "cpu", *TRAIN, "--seed", "0",
             "--check", "--json"]
     argv = argv[:1] + OTHER_MODEL.get(case, argv[1:4]) + argv[4:]
     rc, out = run_json(capsys, argv)
@@ -153,9 +161,13 @@ def test_strategy_reproduces_single_device_losses(ray_session, capsys, case):
     assert out["check"]["passed"] and out["check"]["max_rel_diff"] <= 1e-4
     model = OTHER_MODEL.get(case, [GPT, *TINY])
     spec = load_model_file(model[0], parse_model_args(model[2::2]))
-    ref = reference_losses(spec, batch_size=spec.batch_size, steps=3, seed=0)
-    assert max_rel_diff([s["loss"] for s in out["steps"]], ref) <= 1e-4
-    assert ref[2] < ref[0], "training makes progress, so equal losses are not trivial"
+    ref = reference_run(spec, batch_size=spec.batch_size, steps=5, seed=0, train=TRAIN_CONFIG)
+    assert max_rel_diff([s["loss"] for s in out["steps"]], [r.loss for r in ref]) <= 1e-4
+    assert max_rel_diff([s["grad_norm"] for s in out["steps"]],
+                        [r.grad_norm for r in ref]) <= 5e-4, "the norm over every shard"
+    assert [s["lr"] for s in out["steps"]] == pytest.approx([r.lr for r in ref], rel=1e-9)
+    assert all(r.grad_norm > 0.05 for r in ref), "clipping is active at every step"
+    assert ref[4].loss < ref[0].loss, "training makes progress, so equal losses are not trivial"
     world = int(CASES[case][1])
     assert len(out["peak_memory_bytes"]) == world
     assert all(b > 0 for b in out["peak_memory_bytes"])

@@ -13,7 +13,8 @@ a Plan with.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 import torch
 from torch import fx
@@ -79,6 +80,14 @@ class ModelCosts:
     largest_params: tuple[int, ...] = ()
     """Per region, elements of its largest parameter tensor (a ZeRO unit is at least one
     whole parameter); empty: unknown."""
+    precision: str = "fp32"
+    """What training computes in (`with_precision`): fp32, bf16-mixed or bf16."""
+    wire_element_size: int = 0
+    """Bytes per element of floating activations sent between stages (0: as captured)."""
+    grad_element_size: int = 0
+    """Bytes per element of gradient all-reduces and reduce-scatters (0: `element_size`)."""
+    optimizer_bytes: int = 8
+    """Optimizer state per parameter: AdamW's two moments (fp32: 8 bytes)."""
     _ops_match: bool = field(init=False, repr=False, compare=False, hash=False, default=False)
 
     def __post_init__(self) -> None:
@@ -354,6 +363,39 @@ def recomputed(plan: Plan, recompute: bool | None = None) -> frozenset[int]:
     return frozenset(range(len(plan.stage_regions))) if recompute else frozenset()
 
 
+def _wire_bytes(v: Any, costs: ModelCosts) -> float:
+    """A value's bytes as it travels: floating ones in the training precision."""
+    size = torch.empty((), dtype=getattr(torch, v.dtype)).element_size()
+    if costs.wire_element_size and getattr(torch, v.dtype).is_floating_point:
+        return v.nbytes * costs.wire_element_size / size
+    return v.nbytes
+
+
+def with_precision(costs: ModelCosts, precision: str, reduce_dtype: str = "fp32"
+                   ) -> ModelCosts:
+    """Costs of training `costs`' (fp32-captured) model in `precision`, as `piper-plan run
+    --precision` trains it: bf16-mixed runs every matmul at the bf16 rate and keeps bf16
+    activations (half the bytes saved for backward and sent between stages) while
+    parameters, gradients and AdamW's state stay fp32; bf16 also holds the parameters,
+    gradients and optimizer state in bf16. `reduce_dtype` bf16 halves the gradient
+    collectives. Precision is priced per op group and per byte, so a what-if model without
+    op records keeps its fp32 compute times."""
+    if precision == "fp32" and reduce_dtype == "fp32":
+        return costs
+    low = precision != "fp32"
+    ops = tuple(tuple(replace(g, low_precision=True) if g.flops and low else g
+                      for g in groups) for groups in costs.ops)
+    half = (lambda t: tuple(x // 2 for x in t)) if low else (lambda t: t)
+    element = 2 if precision == "bf16" else costs.element_size
+    return replace(
+        costs, ops=ops, activation_bytes=half(costs.activation_bytes),
+        recompute_bytes=half(costs.recompute_bytes), output_bytes=half(costs.output_bytes),
+        element_size=element,
+        precision=precision, wire_element_size=2 if low else 0,
+        grad_element_size=2 if reduce_dtype == "bf16" else element,
+        optimizer_bytes=4 if precision == "bf16" else costs.optimizer_bytes)
+
+
 def task_costs(plan: Plan, costs: ModelCosts, cluster: ClusterSpec,
                microbatch_size: int, *, recompute: bool | None = None) -> TaskCosts:
     """Analytical TaskCosts: chunks op by op (`ModelCosts.chunk_seconds`); updates per
@@ -379,8 +421,10 @@ def task_costs(plan: Plan, costs: ModelCosts, cluster: ClusterSpec,
         forward_s=fwd,
         backward_s=bwd,
         update_s=update,
-        gradient_bytes=tuple(costs.element_size * p for p in params),
-        value_bytes=tuple((v.name, round(v.nbytes * scale)) for v in plan.model.values),
+        gradient_bytes=tuple((costs.grad_element_size or costs.element_size) * p
+                             for p in params),
+        value_bytes=tuple((v.name, round(_wire_bytes(v, costs) * scale))
+                          for v in plan.model.values),
         recompute_s=rec if again else (),
         bucket_bytes=plan.bucket_bytes,
         early_buckets=early_stages(plan) | early_reduce_scatters(plan),

@@ -29,17 +29,18 @@ OPTIMIZER_STATE_BYTES = 8
 
 
 def bytes_per_param(costs: ModelCosts) -> int:
-    """Parameter + gradient in the model dtype, optimizer state in fp32."""
-    return 2 * costs.element_size + OPTIMIZER_STATE_BYTES
+    """Parameter + gradient in the training dtype, optimizer state (`with_precision`)."""
+    return 2 * costs.element_size + costs.optimizer_bytes
 
 
 def stage_params(plan: Plan, costs: ModelCosts) -> tuple[int, ...]:
     return tuple(costs.params_of(rs) for rs in plan.stage_regions)
 
 
-def zero_bytes_per_param(element_size: int, zero: int, replicas: int) -> float:
+def zero_bytes_per_param(element_size: int, zero: int, replicas: int,
+                         opt: int = OPTIMIZER_STATE_BYTES) -> float:
     """Model-state bytes per parameter per rank at a ZeRO stage (the paper's formulas)."""
-    e, n, opt = element_size, replicas, OPTIMIZER_STATE_BYTES
+    e, n = element_size, replicas
     return {0: 2 * e + opt, 1: 2 * e + opt / n, 2: e + (e + opt) / n,
             3: (2 * e + opt) / n}[zero]
 
@@ -65,8 +66,8 @@ def tied_copies(plan: Plan) -> tuple[tuple[int, int], ...]:
 def static_bytes(plan: Plan, costs: ModelCosts) -> tuple[int, ...]:
     """Per rank: parameters, gradients and optimizer state of the stages it holds."""
     params = stage_params(plan, costs)
-    per = zero_bytes_per_param(costs.element_size, plan.zero, plan.dp)
-    whole = zero_bytes_per_param(costs.element_size, 0, plan.dp)
+    per = zero_bytes_per_param(costs.element_size, plan.zero, plan.dp, costs.optimizer_bytes)
+    whole = zero_bytes_per_param(costs.element_size, 0, plan.dp, costs.optimizer_bytes)
     tied = tied_copies(plan)
     return tuple(round(sum(per * (params[s] - tied[s][1]) + whole * tied[s][0]
                            for s in rp.stages)) for rp in plan.ranks)

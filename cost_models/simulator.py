@@ -79,7 +79,8 @@ def simulate(plan: Plan, costs: ModelCosts, cluster: ClusterSpec, microbatch_siz
     if step > 0:
         tokens_per_s = samples * costs.tokens_per_sample / step
         # against the peak of the model's own precision (a bf16 model's is the bf16 peak)
-        peak = cluster.peak_flops(low_precision=costs.element_size < 4)
+        peak = cluster.peak_flops(low_precision=costs.element_size < 4
+                                  or costs.precision != "fp32")
         mfu = model_flops / (step * plan.world_size * peak)
     else:  # nothing costs time (e.g. a zero-cost model): report no rate rather than infinity
         tokens_per_s = mfu = 0.0

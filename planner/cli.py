@@ -32,6 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
     from planner.run_cmd import add_train_flags
     from planner.samplers import SAMPLERS
     from planner.strategy import add_shorthand_flags
+    from runtime.training import PRECISIONS
 
     p = _Parser(prog="piper-plan", description="Search, simulate and run distributed "
                 "training strategies for a PyTorch model.")
@@ -52,6 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
         return c
 
     s = model_cmd("search", "search for the best strategy")
+    planned = ("what the strategies will train in (default: bf16-mixed on a GPU cluster, "
+               "fp32 on cpu)")
+    s.add_argument("--precision", choices=PRECISIONS, help=planned)
     s.add_argument("--cluster", help=f"catalog name or TOML file (default {DEFAULT_CLUSTER})")
     s.add_argument("--trials", type=int, default=64, help="trials to add to the study")
     s.add_argument("--timeout", type=float, help="stop asking for trials after S seconds")
@@ -81,6 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "declared hung")
 
     m = model_cmd("simulate", "predict step time and memory of a strategy")
+    m.add_argument("--precision", choices=PRECISIONS, help=planned)
     m.add_argument("--strategy", help="strategy file (.py with strategy() or .json)")
     add_shorthand_flags(m)
     m.add_argument("--cluster", help=f"catalog name or TOML file (default {DEFAULT_CLUSTER})")
@@ -228,6 +233,12 @@ def _device(args: argparse.Namespace) -> str:
     return args.device or ("cuda" if torch.cuda.is_available() else "cpu")
 
 
+def planned_precision(args: argparse.Namespace, cluster: Any) -> str:
+    """What search and simulate price: `--precision`, else bf16-mixed on a cluster with a
+    bf16 rate (GPUs; what `run --device cuda` trains in) and fp32 on CPU."""
+    return args.precision or ("bf16-mixed" if cluster.bf16_flops else "fp32")
+
+
 def _emit(obj: dict[str, Any]) -> None:
     print(json.dumps(obj))
 
@@ -276,7 +287,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
     spec = _spec(args)
     cluster, _ = _cluster(args, announce=False)
-    ev = Evaluator(spec, args.gpus, _batch(args, spec), cluster)
+    ev = Evaluator(spec, args.gpus, _batch(args, spec), cluster,
+                   precision=planned_precision(args, cluster))
     _tell_regions(ev)
     result = ev.evaluate(_program(args, ev))
     pred = predicted_json(result.prediction)

@@ -8,7 +8,7 @@ from functools import cached_property
 from typing import Any
 
 from cost_models import ClusterSpec, ModelCosts, Prediction, simulate
-from cost_models.analytical import task_costs
+from cost_models.analytical import task_costs, with_precision
 from cost_models.sharded import InGraphComm, with_in_graph_comm
 from piper.capture import ModelGraph
 from piper.dag import TrainingDAG, single_device_dag
@@ -61,6 +61,8 @@ class Evaluator:
     cache: EvaluationCache[Evaluation] = field(default_factory=EvaluationCache)
     """Shared between evaluators to reuse results across clusters or searches: keys say
     everything a result depends on."""
+    precision: str = "fp32"
+    """What the strategies will train in (`piper-plan run --precision`)."""
     fold: bool = True
     """Trace two copies of each repeated layer and grow the rest (`planner.repeats`): the
     same graph and costs, a fraction of the capture time."""
@@ -77,9 +79,10 @@ class Evaluator:
     def graph(self) -> ModelGraph:
         return self.captured.graph
 
-    @property
+    @cached_property
     def costs(self) -> ModelCosts:
-        return self.captured.costs
+        """The capture's costs, priced for the precision the strategy will train in."""
+        return with_precision(self.captured.costs, self.precision)
 
     def __getstate__(self) -> dict[str, Any]:
         """Pickled for Ray workers: the model file travels as its path (functions from a
@@ -105,7 +108,8 @@ class Evaluator:
                 raise Infeasible(f"{sharding.describe()}: the model does not run split this "
                                  f"way (e.g. heads not divisible by tp): {e}") from None
             assert cap.traffic is not None
-            self._sharded[sharding] = (cap.costs, cap.traffic)
+            self._sharded[sharding] = (with_precision(cap.costs, self.precision),
+                                       cap.traffic)
         return self._sharded[sharding]
 
     def region_costs(self) -> tuple[float, ...]:

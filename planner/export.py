@@ -4,6 +4,7 @@ plan's figures (timeline.png, trace.json) with the trials' pareto.png."""
 from __future__ import annotations
 
 import csv
+import json
 import shlex
 import sys
 from pathlib import Path
@@ -18,7 +19,7 @@ if TYPE_CHECKING:
 
 
 def strategy_header(spec: ModelSpec, cluster: str, gpus: int, batch_size: int,
-                    rec: TrialRecord, script: Path) -> list[str]:
+                    rec: TrialRecord, script: Path, precision: str = "fp32") -> list[str]:
     args = " ".join([*(f"--model-arg {k}={v}" for k, v in spec.model_args),
                      *(f"--{k.replace('_', '-')} {v}" for k, v in spec.options)])
     base = f"{spec.path} --gpus {gpus} {args}".replace("  ", " ").strip()
@@ -26,26 +27,53 @@ def strategy_header(spec: ModelSpec, cluster: str, gpus: int, batch_size: int,
     return [
         "Strategy found by piper-plan. Edit the directives and rerun; see docs of each directive.",
         f"model: {spec.path}" + (f" ({args})" if args else ""),
-        f"cluster: {cluster}, {gpus} devices, global batch {batch_size}",
+        f"cluster: {cluster}, {gpus} devices, global batch {batch_size}, {precision}",
         f"summary: {summary_line(rec.summary)}",
         f"predicted: {predicted_line(rec.predicted)}",
+        f"{PREDICTED_TAG} {json.dumps(_measurable(rec.predicted))}",
         f"found by: {cmd}",
         (f"simulate: piper-plan simulate {base} --cluster {cluster} --batch-size {batch_size} "
+         f"--precision {precision} --strategy {script}"),
+        (f"run:      piper-plan run {base} --batch-size {batch_size} --precision {precision} "
          f"--strategy {script}"),
-        f"run:      piper-plan run {base} --batch-size {batch_size} --strategy {script}",
     ]
 
 
+PREDICTED_TAG = "predicted-json:"
+"""A strategy file's header line holding what the search predicted, for `run` to compare."""
+
+
+def _measurable(p: dict) -> dict:
+    return {"step_time_s": p["step_time_s"], "peak_memory_bytes": max(p["peak_memory_bytes"])}
+
+
+def strategy_json(rec: TrialRecord) -> str:
+    """A trial's Program as JSON, with what the search predicted for it."""
+    return json.dumps({**json.loads(rec.program.to_json()),
+                       "predicted": _measurable(rec.predicted)}, indent=1) + "\n"
+
+
+def predicted_of(path: str) -> dict | None:
+    """What the search predicted for a strategy file it wrote (None: a hand-written one)."""
+    text = Path(path).read_text()
+    if path.endswith(".json"):
+        return json.loads(text).get("predicted")
+    for line in text.splitlines():
+        if line.startswith(f"# {PREDICTED_TAG}"):
+            return json.loads(line.split(PREDICTED_TAG, 1)[1])
+    return None
+
+
 def write_outputs(out: Path, spec: ModelSpec, cluster: str, gpus: int, batch_size: int,
-                  result: SearchResult) -> dict[str, Path]:
+                  result: SearchResult, precision: str = "fp32") -> dict[str, Path]:
     out.mkdir(parents=True, exist_ok=True)
     files: dict[str, Path] = {}
     best = result.best
     if best is not None:
         py, js = out / "best_strategy.py", out / "best_strategy.json"
         py.write_text(best.program.to_python(
-            strategy_header(spec, cluster, gpus, batch_size, best, py)))
-        js.write_text(best.program.to_json() + "\n")
+            strategy_header(spec, cluster, gpus, batch_size, best, py, precision)))
+        js.write_text(strategy_json(best))
         files.update(strategy_file=py, strategy_json=js)
     trials = out / "trials.csv"
     with trials.open("w", newline="") as f:

@@ -44,7 +44,7 @@ def device_peaks(stage_regions: Sequence[Sequence[str]], stage_device: Sequence[
     time: the account of `StageMemory`, which the simulated peak keeps too."""
     mem = StageMemory.of(stage_regions, costs, microbatch_size, zero, recompute,
                          bucket_bytes, early)
-    per_param = zero_bytes_per_param(costs.element_size, zero, dp)
+    per_param = zero_bytes_per_param(costs.element_size, zero, dp, costs.optimizer_bytes)
     order_of = {o.device: o.names for o in orders}  # a pair: its forward first
     peaks = []
     for device in range(max(stage_device) + 1):

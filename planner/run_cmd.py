@@ -69,6 +69,7 @@ def run(args: argparse.Namespace) -> int:
         log,
     )
     from planner.evaluate import Evaluator
+    from planner.export import predicted_of
     from planner.metrics import MetricsLog, device_peak_flops
     from planner.report import summary_line
     from planner.trace import write_trace
@@ -121,6 +122,7 @@ def run(args: argparse.Namespace) -> int:
     log(f"running {summary_line(summary)} on {args.gpus} {device} workers, {train.precision}"
         + (f", from {folder} (step {done})" if folder else ""))
     metrics = MetricsLog(args.log_dir, args.gpus) if args.log_dir else None
+    predicted = predicted_of(args.strategy) if args.strategy else None
     try:
         with Job(spec, plan, batch_size=batch, seed=args.seed, device=device,
                  address=args.address, timeout_s=args.timeout, train=train, done=done) as job:
@@ -132,7 +134,8 @@ def run(args: argparse.Namespace) -> int:
                        "time_s": s.time_s, "tokens_per_s": tokens / s.time_s,
                        "mfu": flops / s.time_s / (peak * args.gpus) if peak else None,
                        "peak_memory_bytes": list(s.peak_memory_bytes)}
-                print(_progress(row, args.steps), file=sys.stderr, flush=True)
+                print(_progress(row, args.steps, predicted), file=sys.stderr, flush=True)
+                predicted = None  # said once, beside the first step
                 if metrics:
                     metrics.write(row)
                 last = k + 1 == args.steps
@@ -180,12 +183,15 @@ def _tokens_per_sample(spec: Any) -> int:
         return 1  # not a token model: samples
 
 
-def _progress(row: dict[str, Any], steps: int) -> str:
+def _progress(row: dict[str, Any], steps: int, predicted: dict | None = None) -> str:
+    """One step's line; beside the first, what the search predicted for the strategy."""
     from planner.report import fmt_bytes
 
     mfu = f"  MFU {row['mfu'] * 100:.1f}%" if row["mfu"] is not None else ""
+    said = (f"  (search predicted {predicted['step_time_s'] * 1e3:.1f} ms, "
+            f"{fmt_bytes(predicted['peak_memory_bytes'])} on its cluster)" if predicted else "")
     return (f"step {row['step'] + 1}/{steps}  loss {row['loss']:.4f}  "
             f"grad-norm {row['grad_norm']:.3f}  lr {row['lr']:.2e}  "
             f"{row['tokens_per_s']:,.0f} tokens/s{mfu}  "
             f"memory {fmt_bytes(max(row['peak_memory_bytes']))}  "
-            f"{row['time_s'] * 1e3:.1f} ms")
+            f"{row['time_s'] * 1e3:.1f} ms{said}")

@@ -165,7 +165,7 @@ def describe(study: optuna.Study, evaluator: Evaluator) -> None:
     spec = evaluator.spec
     about = {"model": spec.path, "model_args": [list(a) for a in spec.model_args],
              "gpus": evaluator.gpus, "batch_size": evaluator.batch_size,
-             "cluster": evaluator.cluster.name,
+             "cluster": evaluator.cluster.name, "precision": evaluator.precision,
              "memory_bytes": evaluator.cluster.memory_bytes}
     for k, v in about.items():
         if study.user_attrs.get(k) != v:

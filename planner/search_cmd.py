@@ -27,6 +27,7 @@ def search(args: argparse.Namespace) -> int:
         _spec,
         _tell_regions,
         log,
+        planned_precision,
     )
     from planner.evaluate import Evaluator
     from planner.export import write_figures, write_outputs
@@ -50,7 +51,7 @@ def search(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     storage = args.storage or f"sqlite:///{(out / 'study.db').resolve()}"
     t0 = time.perf_counter()
-    ev = Evaluator(spec, args.gpus, batch, cluster)
+    ev = Evaluator(spec, args.gpus, batch, cluster, precision=planned_precision(args, cluster))
     graph = ev.graph
     folded = "".join(f"; traced 2 of {r.length} identical {r.fqn}" for r in ev.captured.folded)
     log(f"captured {spec.path}: {len(graph.regions)} regions, "
@@ -92,7 +93,7 @@ def search(args: argparse.Namespace) -> int:
         log(table(measured))
         if measured and measured[0].median_s is not None:
             result = dataclasses.replace(result, best=measured[0].record)
-    files = write_outputs(out, spec, cluster_name, args.gpus, batch, result)
+    files = write_outputs(out, spec, cluster_name, args.gpus, batch, result, ev.precision)
     log(results_table(result.records))
     total = time.perf_counter() - t0
     if result.best is None:

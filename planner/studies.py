@@ -129,20 +129,20 @@ def chosen(study: optuna.Study, trial: int | None) -> TrialRecord:
 
 def export(study: optuna.Study, trial: int | None, out: str) -> tuple[Path, TrialRecord]:
     """Write the chosen trial's Program to `out` (.py script with a header, or .json)."""
-    from planner.export import strategy_header
+    from planner.export import strategy_header, strategy_json
 
     path = Path(out)
     if path.suffix not in (".py", ".json"):
         raise PiperError(f"--out {out}: must end in .py (a strategy script) or .json")
     rec = chosen(study, trial)
     if path.suffix == ".json":
-        text = rec.program.to_json() + "\n"
+        text = strategy_json(rec)
     else:
         a = study.user_attrs
         spec = ModelSpec(path=a.get("model", "MODEL.py"),
                          model_args=tuple(tuple(x) for x in a.get("model_args", [])))
         header = strategy_header(spec, a.get("cluster", "?"), a.get("gpus", 0),
-                                 a.get("batch_size", 0), rec, path)
+                                 a.get("batch_size", 0), rec, path, a.get("precision", "fp32"))
         header = [f"found by: trial {rec.number} of study {study.study_name!r} (exported "
                   f"by {line.removeprefix('found by: ')})" if line.startswith("found by:")
                   else line for line in header]

@@ -67,6 +67,9 @@ class BatchSource:
     def __init__(self, spec: ModelSpec, batch_size: int, seed: int, data: str | None = None,
                  data_dtype: str = "uint16") -> None:
         self.spec, self.batch_size, self.seed = spec, batch_size, seed
+        if data:
+            with torch.device("meta"):  # a model file may size its batch as it builds
+                spec.build()
         self.file = TokenFile(data, spec.seq_len(), data_dtype, seed) if data else None
         self._gen: Iterator[Any] | None = None
         self._at = 0  # the generator's next step
@@ -126,15 +129,16 @@ def slice_tree(x: Any, lo: int, hi: int) -> Any:
 
 
 def write_synthetic_tokens(path: str, count: int, vocab: int, seed: int = 0) -> str:
-    """A deterministic token file with structure a model can learn (each token is a fixed
-    function of the previous two, one in eight replaced by noise): data for tests and
-    benchmarks that ship no corpus."""
+    """A deterministic token file with structure a model can learn (each token follows
+    from the previous one by a fixed random permutation, one in eight replaced by noise):
+    data for tests and benchmarks that ship no corpus."""
     g = np.random.default_rng(seed)
-    out = np.empty(count, dtype=np.uint16 if vocab <= 2**16 else np.uint32)
-    out[:2] = g.integers(0, vocab, 2)
+    follow = g.permutation(vocab)
     noise = g.integers(0, vocab, count)
     flip = g.random(count) < 0.125
-    for i in range(2, count):
-        out[i] = noise[i] if flip[i] else (7 * int(out[i - 1]) + 3 * int(out[i - 2]) + 1) % vocab
-    out.tofile(path)
+    out = np.empty(count, dtype=np.int64)
+    out[0] = noise[0]
+    for i in range(1, count):
+        out[i] = noise[i] if flip[i] else follow[out[i - 1]]
+    out.astype(np.uint16 if vocab <= 2**16 else np.uint32).tofile(path)
     return path

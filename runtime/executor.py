@@ -11,7 +11,6 @@ import threading
 import time
 from collections.abc import Callable
 from contextlib import nullcontext
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -34,51 +33,12 @@ from runtime.plan import COMPUTE_STREAM, PAIR_STREAM, Plan, RankPlan, Task
 from runtime.rank_stages import align, deferring, full_model_names, rank_model, renamed
 from runtime.recompute import recomputing
 from runtime.stage_module import StageModule, build_stage
+from runtime.step_state import Saved, StepOutcome, StepState, accumulate, to_device
 from runtime.streams import DeviceStreams
 from runtime.training import TrainConfig, make_optimizer
 from runtime.updates import Updater
 from runtime.weight_grad import WeightGradStore, collecting
 from runtime.zero import ShardedStage
-
-
-@dataclass
-class _Saved:
-    acts: list[tuple[str, torch.Tensor]]  # activation inputs (leaves) by value name
-    outputs: dict[str, torch.Tensor]
-    loss: torch.Tensor | None = None
-    deferred: WeightGradStore | None = None  # split backward: W's products, kept by I
-    flat_grad: list[torch.Tensor | None] | None = None  # ZeRO: per unit, from I to W
-    views: list[torch.Tensor] = field(default_factory=list)  # ZeRO: this forward's params
-    activation_bytes: int = 0  # what this chunk keeps for backward (memory ledger)
-
-
-@dataclass
-class _StepState:
-    """What the streams of one step share (dict and list updates are atomic under the GIL)."""
-
-    events: dict[str, threading.Event]
-    acts: dict[tuple[str, int], torch.Tensor] = field(default_factory=dict)
-    grads: dict[tuple[str, int], torch.Tensor] = field(default_factory=dict)
-    saved: dict[tuple, _Saved] = field(default_factory=dict)
-    pending: list[Any] = field(default_factory=list)  # (isend work, tensor kept alive)
-    posted: dict[int, list[tuple[Any, torch.Tensor]]] = field(default_factory=dict)
-    gathers: list[int] = field(default_factory=list)  # ZeRO gathers after the updates
-    spans: list[tuple[str, Task, float, float]] = field(default_factory=list)  # stream, ...
-    loss_sum: float = 0.0
-    t0: float = 0.0
-    error: BaseException | None = None
-    lock: threading.Lock = field(default_factory=threading.Lock)  # gradient sums (_accumulate)
-
-
-@dataclass
-class StepOutcome:
-    loss_sum: float | None  # sum of this rank's scaled microbatch losses (output stage only)
-    time_s: float
-    peak_memory_bytes: int
-    model_state_bytes: int  # peak of parameters + gradients + optimizer state so far
-    spans: list[tuple[str, Task, float, float]] = field(default_factory=list)  # stream, ...
-    grad_norm: float = float("nan")  # of the whole model's gradient (every rank: the same)
-    lr: float = float("nan")  # the learning rate this step used
 
 
 class RankExecutor:
@@ -279,8 +239,8 @@ class RankExecutor:
         compute stream in this one), synchronised by one event per task."""
         inputs, targets = self.source.rows(self.step_index, *self.rows)
         self.batch = tuple(t.to(self.device) for t in inputs)
-        self.targets = _to(targets, self.device)
-        st = _StepState({t.name: threading.Event() for t in self.rp.tasks})
+        self.targets = to_device(targets, self.device)
+        st = StepState({t.name: threading.Event() for t in self.rp.tasks})
         self.ledger.start_step()
         self.streams.start_step()
         if self.token is not None:
@@ -317,14 +277,14 @@ class RankExecutor:
         return StepOutcome(st.loss_sum if has_loss else None, elapsed, self.ledger.peak(),
                            self.ledger.model_state_peak(), st.spans, grad_norm, lr)
 
-    def _run_stream(self, stream: str, tasks: tuple[Task, ...], st: _StepState) -> None:
+    def _run_stream(self, stream: str, tasks: tuple[Task, ...], st: StepState) -> None:
         try:  # the pair lane's in-graph collectives have communicators of their own
             with self.streams.on(stream), lane(1 if stream == PAIR_STREAM else 0):
                 self._issue(stream, tasks, st)
         except BaseException as e:  # noqa: BLE001 - handed to the step's caller
             st.error = st.error or e
 
-    def _issue(self, stream: str, tasks: tuple[Task, ...], st: _StepState) -> None:
+    def _issue(self, stream: str, tasks: tuple[Task, ...], st: StepState) -> None:
         token = self.token
         if stream == PAIR_STREAM and token is not None:
             self._steal(st, token)
@@ -339,7 +299,7 @@ class RankExecutor:
                         if not self._one(PAIR_STREAM, j, t, st, shown=COMPUTE_STREAM):
                             return
 
-    def _steal(self, st: _StepState, token: ComputeToken) -> None:
+    def _steal(self, st: StepState, token: ComputeToken) -> None:
         """The pair lane on CPU: a pair's backward runs in its forward's thread, after it,
         unless the forward lane blocks on communication first; then this thread takes it,
         so that communication overlaps the backward's compute."""
@@ -352,7 +312,7 @@ class RankExecutor:
                     if not self._one(PAIR_STREAM, j, t, st):
                         return
 
-    def _one(self, stream: str, i: int, task: Task, st: _StepState, shown: str = "") -> bool:
+    def _one(self, stream: str, i: int, task: Task, st: StepState, shown: str = "") -> bool:
         """Run task `i` of `stream` once its waits are over; False when the step failed.
         `shown`: the lane whose thread runs it, for the timeline (default `stream`)."""
         token = self.token
@@ -391,7 +351,7 @@ class RankExecutor:
                                 (-1 if task.values else task.stage) if grads else None)
         return True
 
-    def _run_task(self, task: Task, st: _StepState) -> None:
+    def _run_task(self, task: Task, st: StepState) -> None:
         acts, grads, saved = st.acts, st.grads, st.saved
         if task.kind is Kind.FWD:
             saved[(task.stage, task.mb)] = self._forward(task, acts)
@@ -418,7 +378,7 @@ class RankExecutor:
                 work.wait()
                 key = (v, task.mb)
                 if task.grad:  # a value several stages consume: gradients add up
-                    _accumulate(st, key, buf)
+                    accumulate(st, key, buf)
                 else:
                     acts[key] = buf
         elif task.kind is Kind.ALL_REDUCE and task.values:
@@ -481,7 +441,7 @@ class RankExecutor:
             out.append((link.irecv(buf, peer, task.tag + k), buf))
         return out
 
-    def _forward(self, task: Task, acts: dict[tuple[str, int], torch.Tensor]) -> _Saved:
+    def _forward(self, task: Task, acts: dict[tuple[str, int], torch.Tensor]) -> Saved:
         sm = self.stages[task.stage]
         lo, hi = task.mb * self.mb_size, (task.mb + 1) * self.mb_size
         args: list[torch.Tensor] = []
@@ -519,7 +479,7 @@ class RankExecutor:
             shard.free()  # reshard after every chunk; backward gathers again
         for name, t in outs.items():
             acts[(name, task.mb)] = t
-        saved = _Saved(leaves, outs, deferred=deferred, views=views)
+        saved = Saved(leaves, outs, deferred=deferred, views=views)
         if sm.model_outputs:
             pred = sm.model_output(outs)
             tgt = slice_tree(self.targets, lo, hi)
@@ -531,7 +491,7 @@ class RankExecutor:
         saved.activation_bytes = counted
         return saved
 
-    def _backward(self, task: Task, saved: _Saved, st: _StepState) -> None:
+    def _backward(self, task: Task, saved: Saved, st: StepState) -> None:
         """B, or with SplitBackward its halves. B and I walk the autograd graph once (and
         free it): input gradients and every weight gradient the stage module computes in
         place; on a split stage the matmuls against parameters leave their weight products
@@ -569,7 +529,7 @@ class RankExecutor:
         for name, x in saved.acts:
             g = torch.zeros_like(x) if x.grad is None else x.grad
             x.grad = None
-            _accumulate(st, (name, task.mb), g)
+            accumulate(st, (name, task.mb), g)
         saved.acts, saved.outputs, saved.loss = [], {}, None  # the graph is gone
         saved.activation_bytes = 0
         if shard is not None:
@@ -581,7 +541,7 @@ class RankExecutor:
             if shard.zero == 3:
                 shard.free()
 
-    def _weight_pass(self, task: Task, saved: _Saved, shard: ShardedStage | None) -> None:
+    def _weight_pass(self, task: Task, saved: Saved, shard: ShardedStage | None) -> None:
         """W: the weight products I deferred, summed where autograd would have put them —
         a parameter's `.grad`, or its part of the microbatch's flat gradient under ZeRO."""
         slot, fixed = self.slot[task.stage], self.inputs[task.stage]
@@ -625,20 +585,3 @@ class RankExecutor:
         flat = wire.to(flat.dtype)
         for p, g in zip(params, _unflatten_dense_tensors(flat, gs)):
             p.grad = g
-
-
-def _accumulate(st: _StepState, key: tuple[str, int], g: torch.Tensor) -> None:
-    """Add `g` to the gradient of value `key`: the two lanes of an overlapped pair may
-    both contribute to one value (a skip connection), so under the step's lock."""
-    with st.lock:
-        st.grads[key] = st.grads[key] + g if key in st.grads else g
-
-
-def _to(x: Any, device: torch.device) -> Any:
-    if isinstance(x, torch.Tensor):
-        return x.to(device)
-    if isinstance(x, (tuple, list)):
-        return type(x)(_to(t, device) for t in x)
-    if isinstance(x, dict):
-        return {k: _to(t, device) for k, t in x.items()}
-    return x

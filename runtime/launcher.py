@@ -189,6 +189,7 @@ class Job:
         once all have finished."""
         step = len(self.results) + self.done
         tmp = step_folder(root, step, tmp=True)
+        shutil.rmtree(tmp, ignore_errors=True)  # left by a run killed while saving
         self.wait([a.save.remote(str(tmp)) for a in self.actors], f"saving step {step}")
         return str(commit(root, step, info))
 

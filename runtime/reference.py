@@ -20,10 +20,12 @@ class ReferenceStep:
 
 
 def reference_run(spec: ModelSpec, *, batch_size: int, steps: int, seed: int,
-                  train: TrainConfig | None = None) -> list[ReferenceStep]:
+                  train: TrainConfig | None = None, state: dict | None = None
+                  ) -> list[ReferenceStep]:
     """`steps` full-batch steps per DESIGN.md's training semantics, with `train`'s data,
     optimizer overrides, LR schedule, clipping (`clip_grad_norm_`) and precision (bf16-mixed:
-    the forward under `torch.autocast(bfloat16)`, fp32 parameters and optimizer)."""
+    the forward under `torch.autocast(bfloat16)`, fp32 parameters and optimizer). `state`,
+    if given, receives the trained model's state dict."""
     train = train or TrainConfig()
     torch.manual_seed(seed)
     model = spec.build()
@@ -54,6 +56,8 @@ def reference_run(spec: ModelSpec, *, batch_size: int, steps: int, seed: int,
         sched.step()
         opt.zero_grad(set_to_none=True)
         out.append(ReferenceStep(float(loss.detach()), float(norm), float(lr)))
+    if state is not None:
+        state.update(model.state_dict())
     return out
 
 

@@ -182,6 +182,23 @@ BAD = {
     "cluster file missing fields": ([*SIM, "--gpus", "2", "--cluster", "{fields}"],
                                     ("cluster file {fields}", "missing", "gpus_per_node")),
     "unknown flag": (["run", GPT, "--gpus", "2", "--frobnicate"], ("unrecognized",)),
+    # training
+    "resume without a checkpoint dir": ([*RUN, "--gpus", "1", "--resume"],
+                                        ("--resume needs --checkpoint-dir",)),
+    "checkpoint every without a dir": ([*RUN, "--gpus", "1", "--checkpoint-every", "2"],
+                                       ("--checkpoint-every needs --checkpoint-dir",)),
+    "resume from an empty dir": ([*RUN, "--gpus", "1", "--resume", "--checkpoint-dir",
+                                  "{out}"], ("--resume: no complete checkpoint in",)),
+    "data file missing": ([*RUN, "--gpus", "1", "--data", "{out}/nope.bin"],
+                          ("--data", "nope.bin", "cannot read")),
+    "clip not positive": ([*RUN, "--gpus", "1", "--clip-grad", "0"],
+                          ("--clip-grad must be > 0",)),
+    "warmup negative": ([*RUN, "--gpus", "1", "--warmup", "-1"], ("--warmup must be >= 0",)),
+    "unknown precision": ([*RUN, "--gpus", "1", "--precision", "fp8"],
+                          ("--precision", "invalid choice")),
+    "export-weights without a checkpoint": (["export-weights", "{out}", "--out",
+                                             "{out}/w.safetensors"],
+                                            ("no complete checkpoint",)),
     "gpus not a number": ([*RUN, "--gpus", "lots"], ("--gpus", "invalid int value")),
 }
 if not torch.cuda.is_available():

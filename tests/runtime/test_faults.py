@@ -6,6 +6,7 @@ process behind. Real processes, real signals; nothing here is mocked."""
 from __future__ import annotations
 
 import _thread
+import json
 import os
 import re
 import signal
@@ -170,3 +171,25 @@ def test_interrupted_cli_run_leaves_no_process_behind(tmp_path):
     while _marked(marker) and time.monotonic() < end:
         time.sleep(0.2)
     assert _marked(marker) == []
+
+
+def test_killed_worker_then_resume_loses_no_step(ray_session, capsys, tmp_path, monkeypatch):
+    """A rank killed mid-training ends the run (exit 3, naming it); the same command with
+    --resume continues from the newest complete checkpoint: no step lost or repeated, the
+    same losses as uninterrupted single-device training."""
+    runs, ckpt = tmp_path / "runs", tmp_path / "ckpt"
+    runs.mkdir()
+    monkeypatch.setenv("PIPER_RUN_DIR", str(runs))
+    argv = [*RUN, "--checkpoint-dir", str(ckpt), "--checkpoint-every", "2"]
+    s = Saboteur(runs, rank=1, at_step=5, act=lambda p: os.kill(p.pid, signal.SIGKILL),
+                 in_task=True)
+    rc, line, _ = _run_with(s, capsys, argv)
+    assert rc == 3 and line.startswith("error: rank 1"), line
+    done = max(int(d.name.split("-")[1]) for d in ckpt.glob("step-*"))
+    assert done >= 4 and done % 2 == 0
+    steps = argv.index("--steps") + 1
+    argv[steps] = str(done + 2)
+    rc = main([*argv, "--resume", "--check"])
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert rc == 0 and out["check"]["passed"]
+    assert [s["step"] for s in out["steps"]] == [done, done + 1]

@@ -17,8 +17,8 @@ class MetricsLog:
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError:
-            raise PiperError("--log-dir writes TensorBoard events: pip install tensorboard"
-                             ) from None
+            raise PiperError('--log-dir writes TensorBoard events: pip install -e ".[train]" '
+                             "(or tensorboard)") from None
         Path(folder).mkdir(parents=True, exist_ok=True)
         self.writer = SummaryWriter(log_dir=folder)
         self.jsonl = (Path(folder) / "metrics.jsonl").open("a")

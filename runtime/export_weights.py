@@ -17,7 +17,11 @@ from runtime import checkpoint
 
 def export_weights(path: str, out: str) -> int:
     """Write `out`; the number of tensors written."""
-    from safetensors.torch import save_file
+    try:
+        from safetensors.torch import save_file
+    except ImportError:
+        raise PiperError('export-weights writes safetensors: pip install -e ".[train]"'
+                         ) from None
 
     folder = checkpoint.latest(path)
     if folder is None:

@@ -14,7 +14,7 @@ import pytest
 
 from piper.program import Program
 from planner.cli import main
-from tests.conftest import GPT, TINY
+from tests.conftest import GPT, ROOT, TINY
 
 
 def run_json(capsys, argv):
@@ -66,6 +66,21 @@ def test_simulating_exported_strategy_gives_searched_prediction(searched, capsys
         assert rc == 0
         assert sim["predicted"]["step_time_s"] == best["predicted"]["step_time_s"]
         assert sim["summary"] == best["summary"]
+
+
+def test_strategy_files_carry_the_prediction_run_compares_with(searched):
+    """`run --strategy` shows, beside its first step, what the search predicted."""
+    from planner.export import predicted_of
+
+    _, out, res = searched
+    want = res["best"]["predicted"]
+    for f in ("best_strategy.py", "best_strategy.json"):
+        got = predicted_of(str(out / f))
+        assert got == {"step_time_s": want["step_time_s"],
+                       "peak_memory_bytes": max(want["peak_memory_bytes"])}, f
+    script = (out / "best_strategy.py").read_text()
+    assert "--precision bf16-mixed --strategy" in script, "a GPU cluster plans bf16-mixed"
+    assert predicted_of(str(ROOT / "examples" / "strategies" / "gpt_tiny_1f1b.py")) is None
 
 
 def test_best_is_fastest_feasible_trial(searched):

@@ -279,6 +279,8 @@ class TaskCosts:
     """Per stage: what its ALL_REDUCE moves."""
     value_bytes: tuple[tuple[str, int], ...]
     """FX value name -> bytes of that tensor at the microbatch size."""
+    gather_bytes: tuple[int, ...] = ()
+    """Per stage: what a ZeRO parameter all-gather moves (empty: `gradient_bytes`)."""
     recompute_s: tuple[float, ...] = ()
     """Per stage, the part of `backward_s` that re-runs the forward (`piper.Recompute`);
     empty: none. It belongs to I when the backward is split, W needs no activations."""
@@ -308,9 +310,15 @@ class TaskCosts:
         if kind is not None and self.bucket_bytes and not task.values:
             return self._bucketed(task, kind) + self.cluster.task_overhead_s
         if kind is not None:  # ZeRO gathers parameters and scatters gradients of full size
-            return comm.collective_time(kind, self.gradient_bytes[task.stage], task.group,
+            return comm.collective_time(kind, self._bytes_of(task), task.group,
                                         self.cluster) + self.cluster.task_overhead_s
         raise NotImplementedError(f"no cost model for task kind {k.name} ({task.name})")
+
+    def _bytes_of(self, task: Task) -> int:
+        """What a stage's collective moves: parameters (a gather) or gradients."""
+        if task.kind is Kind.ALL_GATHER and self.gather_bytes:
+            return self.gather_bytes[task.stage]
+        return self.gradient_bytes[task.stage]
 
     def _bucketed(self, task: Task, kind: str) -> float:
         """A bucketed collective (all-reduce buckets, or ZeRO's units): one per bucket,
@@ -318,7 +326,7 @@ class TaskCosts:
         once backward has covered its share of the bytes (backward finishes the parameters
         in reverse, about evenly); the task is what is left after that backward ends (at
         least the last bucket)."""
-        total = self.gradient_bytes[task.stage]
+        total = self._bytes_of(task)
         sizes = [self.bucket_bytes] * (total // self.bucket_bytes)
         if total % self.bucket_bytes or not sizes:
             sizes.append(total % self.bucket_bytes)
@@ -369,6 +377,12 @@ def _wire_bytes(v: Any, costs: ModelCosts) -> float:
     if costs.wire_element_size and getattr(torch, v.dtype).is_floating_point:
         return v.nbytes * costs.wire_element_size / size
     return v.nbytes
+
+
+def gathered_element_size(costs: ModelCosts, zero: int) -> int:
+    """Bytes per element of parameters ZeRO gathers: ZeRO-3 under bf16 training gathers
+    bf16 copies of its fp32 shards (FSDP2's `param_dtype`); otherwise the parameters'."""
+    return (costs.wire_element_size or costs.element_size) if zero == 3 else costs.element_size
 
 
 def with_precision(costs: ModelCosts, precision: str, reduce_dtype: str = "fp32"
@@ -425,6 +439,7 @@ def task_costs(plan: Plan, costs: ModelCosts, cluster: ClusterSpec,
                              for p in params),
         value_bytes=tuple((v.name, round(_wire_bytes(v, costs) * scale))
                           for v in plan.model.values),
+        gather_bytes=tuple(gathered_element_size(costs, plan.zero) * p for p in params),
         recompute_s=rec if again else (),
         bucket_bytes=plan.bucket_bytes,
         early_buckets=early_stages(plan) | early_reduce_scatters(plan),

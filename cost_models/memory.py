@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 
-from cost_models.analytical import ModelCosts, recomputed
+from cost_models.analytical import ModelCosts, gathered_element_size, recomputed
 from piper.dag import Kind
 from runtime.buckets import early_reduce_scatters
 from runtime.dryrun import Span
@@ -120,13 +120,14 @@ class StageMemory:
                     for s, rs in enumerate(stage_regions))
         extra = [recompute_bytes(costs, rs, microbatch_size) if s in again else (0, 0)
                  for s, rs in enumerate(stage_regions)]
-        full = tuple(costs.element_size * costs.params_of(rs) for rs in stage_regions)
+        size = gathered_element_size(costs, zero)  # ZeRO-3's gathered copies, their grads
+        full = tuple(size * costs.params_of(rs) for rs in stage_regions)
         none = tuple(0 for _ in full)
         grad = list(full if zero >= 2 else none)
         for s in early:
             largest = costs.largest_param_of(stage_regions[s])
             if largest is not None:
-                unit = max(bucket_bytes, costs.element_size * largest)
+                unit = max(bucket_bytes, size * largest)
                 grad[s] = min(grad[s], 2 * unit)
         return StageMemory(act, tuple(r for r, _ in extra), tuple(h for _, h in extra),
                            full if zero == 3 else none, tuple(grad), again)

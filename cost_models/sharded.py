@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from cost_models import comm
-from cost_models.analytical import TaskCosts
+from cost_models.analytical import ModelCosts, TaskCosts
 from cost_models.cluster import ClusterSpec
 from piper.capture import Captured
 from runtime.plan import Plan
@@ -26,6 +26,18 @@ class InGraphComm:
     forward_all_reduce: tuple[tuple[int, ...], ...]
     backward_all_reduce: tuple[tuple[int, ...], ...]
     all_to_all: tuple[tuple[int, ...], ...]  # each runs once forward and once backward
+
+    def in_precision(self, costs: ModelCosts) -> InGraphComm:
+        """These collectives' bytes when training in `costs.precision`: bf16 training
+        sends the (fp32-captured) tensors in bf16 (`piper.collectives.set_wire_dtype`)."""
+        if not costs.wire_element_size:
+            return self
+
+        def scaled(t: tuple[tuple[int, ...], ...]) -> tuple[tuple[int, ...], ...]:
+            return tuple(tuple(b * costs.wire_element_size // 4 for b in r) for r in t)
+
+        return InGraphComm(scaled(self.forward_all_reduce), scaled(self.backward_all_reduce),
+                           scaled(self.all_to_all))
 
 
 def in_graph_comm(captured: Captured) -> InGraphComm:

@@ -108,8 +108,8 @@ class Evaluator:
                 raise Infeasible(f"{sharding.describe()}: the model does not run split this "
                                  f"way (e.g. heads not divisible by tp): {e}") from None
             assert cap.traffic is not None
-            self._sharded[sharding] = (with_precision(cap.costs, self.precision),
-                                       cap.traffic)
+            costs = with_precision(cap.costs, self.precision)
+            self._sharded[sharding] = (costs, cap.traffic.in_precision(costs))
         return self._sharded[sharding]
 
     def region_costs(self) -> tuple[float, ...]:

@@ -73,7 +73,6 @@ def run(args: argparse.Namespace) -> int:
     from planner.metrics import MetricsLog, device_peak_flops
     from planner.report import summary_line
     from planner.trace import write_trace
-    from runtime import checkpoint
     from runtime.data import BatchSource
     from runtime.launcher import Job, RuntimeFailure, check_workers
     from runtime.lowering import lower
@@ -95,6 +94,8 @@ def run(args: argparse.Namespace) -> int:
     BatchSource(spec, batch, args.seed, train.data, train.data_dtype)  # bad data: exit 2 now
     done, folder = 0, None
     if args.resume:
+        from runtime import checkpoint
+
         folder = checkpoint.latest(args.checkpoint_dir)
         if folder is None:
             raise PiperError(f"--resume: no complete checkpoint in {args.checkpoint_dir}")

@@ -18,13 +18,11 @@ import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from piper.capture import Captured
+from piper.collectives import set_wire_dtype
 from piper.dag import Kind
 from piper.lanes import ComputeToken, computing, lane
 from piper.model_file import ModelSpec
 from runtime.buckets import GradBuckets, bucketed, early_reduce_scatters, early_stages
-from runtime.checkpoint import load as load_checkpoint
-from runtime.checkpoint import prepare_optimizer_state, rank_state
-from runtime.checkpoint import save as save_checkpoint
 from runtime.data import BatchSource, slice_tree
 from runtime.holdings import holdings
 from runtime.layout import Slicing
@@ -53,6 +51,8 @@ class RankExecutor:
         """`done`: steps trained before (a resumed run: the schedule and data go on)."""
         train = train or TrainConfig()
         self.train = train
+        # bf16 training: TP/EP collectives inside chunks carry bf16
+        set_wire_dtype(None if train.precision == "fp32" else train.compute_dtype)
         self.plan = plan
         self.rank = rank
         self.mesh = plan.mesh
@@ -134,7 +134,7 @@ class RankExecutor:
                 ranks = self.mesh.lift(tuple(range(first, first + plan.dp)), self.tp_rank)
                 self.sharded[s] = ShardedStage(self.params[s], plan.zero, groups[ranks],
                                                self.rp.replica, plan.dp, plan.bucket_bytes,
-                                               train.grad_reduce_dtype)
+                                               train.grad_reduce_dtype, train.compute_dtype)
                 self.names[s] = [canon[id(p)] for p in self.params[s]]
                 self.params[s] = []  # the full copies are released; the flat buffer rules
                 self.inputs[s] = [None if k >= 0 else t for t, k in zip(fixed, self.slot[s])]
@@ -205,18 +205,26 @@ class RankExecutor:
     def _wire(self, t: torch.Tensor) -> torch.Tensor:
         return t.to(self._wire_dtype(t.dtype))
 
+    # checkpoints: `runtime.checkpoint` imports torch.distributed.checkpoint (about a second
+    # of every worker's start), so only a rank that saves or loads imports it
     def checkpoint_state(self, saving: bool) -> dict[str, Any]:
         """This rank's part of a checkpoint (`runtime.checkpoint`)."""
+        from runtime.checkpoint import rank_state
+
         buffers = self.buffers if self.rank == 0 or not saving else {}
         return rank_state(self.held, self.optim, buffers, saving)
 
     def save(self, folder: str) -> None:
-        save_checkpoint(self.checkpoint_state(saving=True), folder)
+        from runtime.checkpoint import save
+
+        save(self.checkpoint_state(saving=True), folder)
 
     def load(self, folder: str) -> None:
         """Parameters, optimizer state and buffers from a checkpoint of any layout."""
+        from runtime.checkpoint import load, prepare_optimizer_state
+
         prepare_optimizer_state(self.held, self.optim, folder)
-        load_checkpoint(self.checkpoint_state(saving=False), folder)
+        load(self.checkpoint_state(saving=False), folder)
 
     def _owner(self, key: Any, name: str) -> bool:
         """Whether this rank's copy of parameter `name` (of optimizer `key`) is the one that

@@ -17,7 +17,6 @@ from ray.exceptions import RayActorError, RayError
 
 from piper.errors import PiperError
 from piper.model_file import ModelSpec
-from runtime.checkpoint import commit, step_folder
 from runtime.dryrun import Span
 from runtime.plan import Plan
 from runtime.progress import read_progress
@@ -187,6 +186,8 @@ class Job:
         """A checkpoint of the steps so far under `root` (`runtime.checkpoint`): every rank
         writes its part into a temporary folder, which becomes the latest checkpoint only
         once all have finished."""
+        from runtime.checkpoint import commit, step_folder
+
         step = len(self.results) + self.done
         tmp = step_folder(root, step, tmp=True)
         shutil.rmtree(tmp, ignore_errors=True)  # left by a run killed while saving

@@ -36,7 +36,7 @@ class _Unit:
     group size; this rank's shard of it; the shard's gradient."""
 
     def __init__(self, params: list[torch.nn.Parameter], first: int, zero: int, size: int,
-                 group_rank: int) -> None:
+                 group_rank: int, param_dtype: torch.dtype | None = None) -> None:
         self.first, self.size = first, size
         self.shapes = [p.shape for p in params]
         self.numels = [p.numel() for p in params]
@@ -47,11 +47,13 @@ class _Unit:
         with torch.no_grad():
             torch.cat([p.detach().reshape(-1) for p in params], out=full[:n])
         lo = group_rank * self.chunk
-        self.flat = full
         # ZeRO-1/2 keep the full parameters, so the shard the optimizer owns is a view of
         # them; ZeRO-3 frees the full buffer, so its shard is separate memory.
         owned = full.data[lo:lo + self.chunk]
         self.shard = torch.nn.Parameter(owned.clone() if zero == 3 else owned)
+        if zero == 3 and param_dtype not in (None, full.dtype):  # gathers low-precision
+            full = full.to(param_dtype)  # copies, as `materialize` makes them
+        self.flat = full
         self.grad_shard: torch.Tensor | None = None
         self.full_grad: torch.Tensor | None = None  # ZeRO-1 accumulates unsharded
         self.pending: dict[int, torch.Tensor] = {}  # microbatch -> its flat gradient
@@ -78,7 +80,7 @@ class _Unit:
         return out
 
     def add_to_shard(self, out: torch.Tensor) -> None:
-        out = out.to(self.flat.dtype)  # reduced in another dtype: back to the parameters'
+        out = out.to(self.shard.dtype)  # reduced in another dtype: the master's
         self.grad_shard = out if self.grad_shard is None else self.grad_shard + out
 
 
@@ -87,15 +89,18 @@ class ShardedStage:
 
     def __init__(self, params: list[torch.nn.Parameter], zero: int, group: Any,
                  group_rank: int, group_size: int, bucket_bytes: int = 0,
-                 reduce_dtype: torch.dtype | None = None) -> None:
-        """`reduce_dtype`: what gradients are reduce-scattered in (default: theirs)."""
+                 reduce_dtype: torch.dtype | None = None,
+                 param_dtype: torch.dtype | None = None) -> None:
+        """`reduce_dtype`: what gradients are reduce-scattered in (default: theirs);
+        `param_dtype`: what ZeRO-3 gathers its fp32 shards as (bf16 training: bf16 copies,
+        half the bytes, as FSDP2's `MixedPrecisionPolicy(param_dtype=...)`)."""
         self.reduce_dtype = reduce_dtype
         self.zero, self.group, self.size, self.rank = zero, group, group_size, group_rank
         nbytes = [p.numel() * p.element_size() for p in params]
         ranges = ([sorted(b) for b in bucket_indices(nbytes, bucket_bytes)] if bucket_bytes
                   else [list(range(len(params)))])
-        self.units = [_Unit([params[i] for i in idx], idx[0], zero, group_size, group_rank)
-                      for idx in ranges]  # backward's order: the last parameters first
+        self.units = [_Unit([params[i] for i in idx], idx[0], zero, group_size, group_rank,
+                            param_dtype) for idx in ranges]  # backward's order: the last parameters first
         self._where = {u.first + j: (k, j) for k, u in enumerate(self.units)
                        for j in range(len(u.shapes))}
         self._inflight: list[tuple[_Unit, Any, torch.Tensor, torch.Tensor]] = []
@@ -140,7 +145,8 @@ class ShardedStage:
             storage = u.flat.untyped_storage()
             if storage.nbytes() == 0:
                 storage.resize_(u.nbytes)
-            src = u.shard.data if self.zero == 3 else u.shard.data.clone()  # no aliasing
+            src = (u.shard.data.to(u.flat.dtype) if self.zero == 3
+                   else u.shard.data.clone())  # no aliasing
             dist.all_gather_single(u.flat.data, src, group=self.group)
 
     def free(self) -> None:

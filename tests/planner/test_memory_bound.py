@@ -16,9 +16,11 @@ from planner.space import search_space
 from tests.conftest import GPT, ROOT
 
 
-def test_bound_is_the_simulated_peak_across_schedules_zero_and_tp():
+@pytest.mark.parametrize("precision", ["fp32", "bf16-mixed"])
+def test_bound_is_the_simulated_peak_across_schedules_zero_and_tp(precision):
     for path, gpus in ((GPT, 4), (str(ROOT / "examples" / "moe.py"), 4)):
-        ev = Evaluator(load_model_file(path, (("size", "tiny"),)), gpus, 16, CATALOG["h100-80gb"])
+        ev = Evaluator(load_model_file(path, (("size", "tiny"),)), gpus, 16, CATALOG["h100-80gb"],
+                       precision=precision)
         space, _ = search_space(ev, 8)
         seen = set()
         for p in space.points():  # the first point of every kind of point

@@ -76,7 +76,6 @@ def run(args: argparse.Namespace) -> int:
     from runtime.data import BatchSource
     from runtime.launcher import Job, RuntimeFailure, check_workers
     from runtime.lowering import lower
-    from runtime.rank_stages import full_model_names
     from runtime.reference import max_rel_diff, reference_run
 
     spec = _spec(args)
@@ -92,23 +91,10 @@ def run(args: argparse.Namespace) -> int:
     train = train_config(args, device)
     batch = _batch(args, spec)
     BatchSource(spec, batch, args.seed, train.data, train.data_dtype)  # bad data: exit 2 now
-    done, folder = 0, None
-    if args.resume:
-        from runtime import checkpoint
-
-        folder = checkpoint.latest(args.checkpoint_dir)
-        if folder is None:
-            raise PiperError(f"--resume: no complete checkpoint in {args.checkpoint_dir}")
-        saved = checkpoint.info(folder)
-        for key, mine in (("batch_size", batch), ("seed", args.seed)):
-            if saved.get(key, mine) != mine:
-                raise PiperError(f"--resume: {folder} was trained with {key} "
-                                 f"{saved[key]}, this run has {mine}")
-        checkpoint.check_compatible(folder, full_model_names(spec)[1])
-        done = int(saved["step"])
-        if done >= args.steps:
-            log(f"{folder} is at step {done}: nothing to train up to --steps {args.steps}")
-            return EXIT_OK
+    done, folder = _resume_point(args, spec, batch) if args.resume else (0, None)
+    if done >= args.steps:
+        log(f"{folder} is at step {done}: nothing to train up to --steps {args.steps}")
+        return EXIT_OK
     ev = Evaluator(spec, args.gpus, batch, CATALOG["cpu"])
     _tell_regions(ev)
     program = _program(args, ev)
@@ -175,6 +161,24 @@ def run(args: argparse.Namespace) -> int:
               f"{out['check']['max_rel_diff']:.2e} against single-device training, "
               f"rtol {CHECK_RTOL[train.precision]:g})")
     return EXIT_OK if passed else EXIT_FAILED
+
+
+def _resume_point(args: argparse.Namespace, spec: Any, batch: int) -> tuple[int, Any]:
+    """(steps trained, folder) of the newest complete checkpoint, checked against this run
+    on the driver: a mismatch is bad input (exit 2), not a worker failing to load."""
+    from runtime import checkpoint
+    from runtime.rank_stages import full_model_names
+
+    folder = checkpoint.latest(args.checkpoint_dir)
+    if folder is None:
+        raise PiperError(f"--resume: no complete checkpoint in {args.checkpoint_dir}")
+    saved = checkpoint.info(folder)
+    for key, mine in (("batch_size", batch), ("seed", args.seed)):
+        if saved.get(key, mine) != mine:
+            raise PiperError(f"--resume: {folder} was trained with {key} {saved[key]}, "
+                             f"this run has {mine}")
+    checkpoint.check_compatible(folder, full_model_names(spec)[1])
+    return int(saved["step"]), folder
 
 
 def _tokens_per_sample(spec: Any) -> int:

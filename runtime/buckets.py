@@ -77,8 +77,9 @@ def early_reduce_scatters(plan: Plan) -> frozenset[int]:
 class GradBuckets:
     """The bucketed all-reduce of one stage's gradients over its data-parallel group."""
 
-    def __init__(self, params: list[torch.nn.Parameter], cap: int, group: Any) -> None:
-        self.params, self.group = params, group
+    def __init__(self, params: list[torch.nn.Parameter], cap: int, group: Any,
+                 reduce_dtype: torch.dtype | None = None) -> None:
+        self.params, self.group, self.reduce_dtype = params, group, reduce_dtype
         self.buckets = bucket_indices([p.numel() * p.element_size() for p in params], cap)
         self._bucket_of = {i: b for b, idx in enumerate(self.buckets) for i in idx}
         self._missing: list[int] = []
@@ -107,7 +108,7 @@ class GradBuckets:
     def _start(self, b: int) -> None:
         ps = [self.params[i] for i in self.buckets[b]]
         gs = [p.grad if p.grad is not None else torch.zeros_like(p) for p in ps]
-        flat = _flatten_dense_tensors(gs)
+        flat = on_wire(_flatten_dense_tensors(gs), self.reduce_dtype)
         self._works.append((dist.all_reduce(flat, group=self.group, async_op=True), flat, gs))
 
     def finish(self) -> list[torch.Tensor]:
@@ -119,8 +120,50 @@ class GradBuckets:
         out = []
         for b, (work, flat, gs) in enumerate(self._works):
             work.wait()
+            flat = flat.to(gs[0].dtype)
             for i, g in zip(self.buckets[b], _unflatten_dense_tensors(flat, gs), strict=True):
                 self.params[i].grad = g
                 out.append(g)
         self._works = []
         return out
+
+
+def on_wire(flat: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    """A flat gradient as it is reduced: in `dtype` (`--reduce-dtype`), or as it is."""
+    if dtype is None or not flat.is_floating_point() or flat.dtype == dtype:
+        return flat
+    return flat.to(dtype)
+
+
+def reduce_grads(params: list[torch.nn.Parameter], group: Any,
+                 dtype: torch.dtype | None = None) -> list[torch.Tensor]:
+    """Sum `params`' gradients over `group` in one flat all-reduce (a parameter without a
+    gradient contributes zeros); returns the gradients it read (a CUDA caller keeps them)."""
+    gs = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    flat = _flatten_dense_tensors(gs)
+    wire = on_wire(flat, dtype)
+    dist.all_reduce(wire, group=group)
+    for p, g in zip(params, _unflatten_dense_tensors(wire.to(flat.dtype), gs), strict=True):
+        p.grad = g
+    return gs
+
+
+def stage_buckets(plan: Plan, rank_tasks: Any, compute: tuple, params: dict[int, list],
+                  group_of: Any, dtype: torch.dtype | None = None
+                  ) -> tuple[dict[int, GradBuckets], set[tuple[int, int]]]:
+    """Per stage with a bucketed all-reduce (`Replicate(bucket_mb=...)`), its buckets; and
+    the backward tasks (stage, mb) that start them early (`early_stages`): the stage's last
+    B before its AR. `group_of(task)`: the process group of an all-reduce task."""
+    out: dict[int, GradBuckets] = {}
+    arm: set[tuple[int, int]] = set()
+    if not bucketed(plan):
+        return out, arm
+    early = early_stages(plan)
+    for t in rank_tasks:
+        if t.kind is Kind.ALL_REDUCE and not t.values and params.get(t.stage):
+            out[t.stage] = GradBuckets(params[t.stage], plan.bucket_bytes, group_of(t), dtype)
+            if t.stage in early:
+                last = [b for b in compute[:compute.index(t)]
+                        if b.kind is Kind.BWD and b.stage == t.stage]
+                arm.add((t.stage, last[-1].mb))
+    return out, arm

@@ -15,14 +15,13 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from piper.capture import Captured
 from piper.collectives import set_wire_dtype
 from piper.dag import Kind
 from piper.lanes import ComputeToken, computing, lane
 from piper.model_file import ModelSpec
-from runtime.buckets import GradBuckets, bucketed, early_reduce_scatters, early_stages
+from runtime.buckets import early_reduce_scatters, reduce_grads, stage_buckets
 from runtime.data import BatchSource, slice_tree
 from runtime.holdings import holdings
 from runtime.layout import Slicing
@@ -153,7 +152,9 @@ class RankExecutor:
         self.buffers = {n: b for n, b in model.named_buffers()
                         if n in set(model.state_dict())}  # persistent ones, for checkpoints
         del model  # parameters not on this rank are released here
-        self.buckets, self.arm_at = self._gradient_buckets()
+        self.buckets, self.arm_at = stage_buckets(
+            plan, self.rp.tasks, self.rp.stream(COMPUTE_STREAM), self.params,
+            lambda t: groups[self.mesh.lift(t.group, self.tp_rank)], train.grad_reduce_dtype)
         self.early_rs = early_reduce_scatters(plan)
         self.source = BatchSource(spec, batch_size, seed, train.data, train.data_dtype)
         per_replica = batch_size // plan.dp
@@ -417,27 +418,6 @@ class RankExecutor:
                     self.sharded[task.stage].attach_grads()
                 self.updater.ready(task.stage)
 
-    def _gradient_buckets(self) -> tuple[dict[int, GradBuckets], set[tuple[int, int]]]:
-        """Per stage with a bucketed all-reduce (`Replicate(bucket_mb=...)`), its buckets;
-        and the backward tasks (stage, mb) that start them early (`early_stages`): the
-        stage's last B before its AR."""
-        out: dict[int, GradBuckets] = {}
-        arm: set[tuple[int, int]] = set()
-        if not bucketed(self.plan):
-            return out, arm
-        early = early_stages(self.plan)
-        compute = self.rp.stream(COMPUTE_STREAM)
-        for t in self.rp.tasks:
-            if t.kind is Kind.ALL_REDUCE and not t.values and self.params.get(t.stage):
-                ranks = self.mesh.lift(t.group, self.tp_rank)
-                out[t.stage] = GradBuckets(self.params[t.stage], self.plan.bucket_bytes,
-                                           self.groups[ranks])
-                if t.stage in early:
-                    last = [b for b in compute[:compute.index(t)]
-                            if b.kind is Kind.BWD and b.stage == t.stage]
-                    arm.add((t.stage, last[-1].mb))
-        return out, arm
-
     def _post_recv(self, task: Task) -> list[tuple[Any, torch.Tensor]]:
         out = []
         for k, v in enumerate(task.values):
@@ -584,12 +564,6 @@ class RankExecutor:
     def _reduce(self, params: list[torch.nn.Parameter], group: tuple[int, ...],
                 lifted: bool = False) -> None:
         """Sum gradients over `group` (logical ranks unless `lifted` to processes already)."""
-        gs = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-        self.streams.keep(gs)  # made by backward on the compute stream
-        flat = _flatten_dense_tensors(gs)
-        wire = flat.to(self.train.grad_reduce_dtype) if flat.is_floating_point() else flat
         ranks = group if lifted else self.mesh.lift(group, self.tp_rank)
-        dist.all_reduce(wire, group=self.groups[ranks])
-        flat = wire.to(flat.dtype)
-        for p, g in zip(params, _unflatten_dense_tensors(flat, gs)):
-            p.grad = g
+        # the gradients backward made on the compute stream live until this use ends
+        self.streams.keep(reduce_grads(params, self.groups[ranks], self.train.grad_reduce_dtype))

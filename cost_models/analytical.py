@@ -330,7 +330,8 @@ class TaskCosts:
         sizes = [self.bucket_bytes] * (total // self.bucket_bytes)
         if total % self.bucket_bytes or not sizes:
             sizes.append(total % self.bucket_bytes)
-        times = [comm.collective_time(kind, n, task.group, self.cluster) for n in sizes]
+        each = {n: comm.collective_time(kind, n, task.group, self.cluster) for n in set(sizes)}
+        times = [each[n] for n in sizes]
         if (task.stage not in self.early_buckets or total == 0
                 or task.kind is Kind.ALL_GATHER):
             return sum(times)

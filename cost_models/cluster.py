@@ -208,6 +208,18 @@ CATALOG: dict[str, ClusterSpec] = {
                    "HBM3 3.35 TB/s; NVLink4 900 GB/s bidirectional); DGX H100 datasheet: "
                    "one 400 Gb/s NDR HCA per GPU; " + _ASSUMED),
         ClusterSpec(
+            # Meta's Grand Teton H100s that torchtitan's published benchmarks ran on
+            name="h100-96gb-500w", device="NVIDIA H100 96GB HBM2e (500 W cap)", gpus_per_node=8,
+            memory_bytes=96 * GiB, flops=67e12, compute_efficiency=0.5,
+            intra_node_bandwidth=450e9, intra_node_latency=5e-6,
+            inter_node_bandwidth=50e9, inter_node_latency=1e-5, memory_bandwidth=3.35e12,
+            bf16_flops=989e12,
+            source="torchtitan benchmarks/llama3_h100_202412_torchtitan.md (Grand Teton, 8 H100 "
+                   "per host on NVLink, 96 GB HBM2e, 500 W power limit, 400 Gb/s RDMA per GPU; "
+                   "MFU there is computed against the SXM part's 989 TF); peak rates, NVLink "
+                   "and memory bandwidth as the H100 SXM: no figure is published for this "
+                   "part, so the power cap's lower clocks are not modelled; " + _ASSUMED),
+        ClusterSpec(
             name="h200", device="NVIDIA H200-SXM-141GB", gpus_per_node=8,
             # 141 GB datasheet; nvidia-smi shows ~140 GiB, so round down to that
             memory_bytes=140 * GiB, flops=67e12, compute_efficiency=0.5,

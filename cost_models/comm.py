@@ -12,6 +12,7 @@ node, then inside again — whichever is cheaper, as NCCL picks.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterable, Sequence
 
@@ -80,9 +81,16 @@ def link(cluster: ClusterSpec, ranks: Iterable[int]) -> tuple[float, float]:
 
 def layout(cluster: ClusterSpec, ranks: Iterable[int]) -> tuple[int, int]:
     """(nodes the group spans, most group ranks on one of them)."""
+    return _layout(cluster.gpus_per_node, tuple(ranks))
+
+
+@functools.lru_cache(maxsize=4096)
+def _layout(gpus_per_node: int, ranks: tuple[int, ...]) -> tuple[int, int]:
+    # memoised: a simulated step asks once per collective (and bucket), of a few groups
+    # of up to thousands of ranks
     per: dict[int, int] = {}
     for r in ranks:
-        n = cluster.node_of(r)
+        n = r // gpus_per_node  # `ClusterSpec.node_of`
         per[n] = per.get(n, 0) + 1
     return len(per), max(per.values(), default=0)
 

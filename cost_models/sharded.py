@@ -26,6 +26,8 @@ class InGraphComm:
     forward_all_reduce: tuple[tuple[int, ...], ...]
     backward_all_reduce: tuple[tuple[int, ...], ...]
     all_to_all: tuple[tuple[int, ...], ...]  # each runs once forward and once backward
+    forward_all_gather: tuple[tuple[int, ...], ...] = ()
+    """Gathered output bytes (a vocabulary-parallel output layer); backward keeps a slice."""
 
     def in_precision(self, costs: ModelCosts) -> InGraphComm:
         """These collectives' bytes when training in `costs.precision`: bf16 training
@@ -37,7 +39,7 @@ class InGraphComm:
             return tuple(tuple(b * costs.wire_element_size // 4 for b in r) for r in t)
 
         return InGraphComm(scaled(self.forward_all_reduce), scaled(self.backward_all_reduce),
-                           scaled(self.all_to_all))
+                           scaled(self.all_to_all), scaled(self.forward_all_gather))
 
 
 def in_graph_comm(captured: Captured) -> InGraphComm:
@@ -45,7 +47,8 @@ def in_graph_comm(captured: Captured) -> InGraphComm:
     fwd: list[list[int]] = [[] for _ in range(n)]
     bwd: list[list[int]] = [[] for _ in range(n)]
     a2a: list[list[int]] = [[] for _ in range(n)]
-    into = {"tp_reduce": fwd, "tp_copy": bwd, "all_to_all": a2a}
+    gather: list[list[int]] = [[] for _ in range(n)]
+    into = {"tp_reduce": fwd, "tp_copy": bwd, "all_to_all": a2a, "tp_gather": gather}
     for node in captured.program.graph.nodes:
         op = getattr(node.target, "_schema", None)
         if node.op != "call_function" or op is None or not op.name.startswith("piper::"):
@@ -53,7 +56,7 @@ def in_graph_comm(captured: Captured) -> InGraphComm:
         val = node.meta["val"]
         into[op.name.removeprefix("piper::")][captured.node_region[node.name]].append(
             val.numel() * val.element_size())
-    return InGraphComm(*(tuple(tuple(r) for r in lists) for lists in (fwd, bwd, a2a)))
+    return InGraphComm(*(tuple(tuple(r) for r in lists) for lists in (fwd, bwd, a2a, gather)))
 
 
 def all_to_all_time(nbytes: float, group: tuple[int, ...], cluster: ClusterSpec) -> float:
@@ -77,12 +80,17 @@ def with_in_graph_comm(tc: TaskCosts, plan: Plan, traffic: InGraphComm, cluster:
         sizes = [b * scale for r in regions for b in lists[index[r]]]
         if kind == "a2a":
             return sum(all_to_all_time(b, ep_group, cluster) for b in sizes)
+        if kind == "ag":
+            return sum(comm.collective_time(comm.ALL_GATHER, b, tp_group, cluster)
+                       for b in sizes)
         return sum(comm.collective_time(comm.ALL_REDUCE, b, tp_group, cluster) for b in sizes)
 
     fwd, bwd, again = [], [], []
     for s, regions in enumerate(plan.stage_regions):
         a2a = seconds(traffic.all_to_all, regions, "a2a")
         forward = seconds(traffic.forward_all_reduce, regions, "ar") + a2a
+        if traffic.forward_all_gather:
+            forward += seconds(traffic.forward_all_gather, regions, "ag")
         # a recompute re-runs the forward's collectives inside the backward
         rebuilt = forward if s in plan.recompute else 0.0
         fwd.append(tc.forward_s[s] + forward)

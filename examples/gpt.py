@@ -4,15 +4,15 @@
     piper-plan run examples/gpt.py --model-arg size=tiny --gpus 4 --device cpu --pp 2 --dp 2 \
         --schedule 1f1b --microbatches 4 --steps 3 --seed 0 --check
 
-`--model-arg size=tiny|mini|small|1b` picks a config; the default is about 1.1B parameters.
+`--model-arg size=tiny|mini|small|1b` picks a config; the default is about 1.1B parameters;
+`--model-arg dim=...` (and `vocab`, `seq`, `layers`, `heads`) overrides one of its fields.
 `--model-arg tie=true` ties the output projection to the token embedding.
 `TP_PLAN` says how `--tp` / `ShardTensor` splits each block (Megatron column/row pairs).
 """
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 
 import torch
 import torch.nn.functional as F
@@ -42,8 +42,10 @@ TP_PLAN = {  # Megatron: attention and MLP each column- then row-parallel
     "blocks.*.proj": "rowwise",
     "blocks.*.fc": "colwise",
     "blocks.*.out": "rowwise",
+    "tok": "vocab",  # Megatron's vocabulary-parallel embedding and output layer
+    "lm_head": "colwise_rep",
 }
-_size = "1b"
+_config = CONFIGS["1b"]
 
 
 class Block(nn.Module):
@@ -64,10 +66,9 @@ class Block(nn.Module):
         hd = d // self.heads
         q, k, v = self.qkv(self.ln1(x)).chunk(3, dim=-1)
         q, k, v = (z.view(b, t, -1, hd).transpose(1, 2) for z in (q, k, v))
-        att = (q @ k.transpose(-2, -1)) / math.sqrt(hd)
-        mask = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
-        att = att.masked_fill(~mask, float("-inf")).softmax(dim=-1)
-        y = (att @ v).transpose(1, 2).reshape(b, t, -1)
+        # fused causal attention (flash on GPUs): no t x t score matrix kept for backward
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        y = y.transpose(1, 2).reshape(b, t, -1)
         x = x + self.proj(y)
         return x + self.out(F.gelu(self.fc(self.ln2(x))))
 
@@ -94,16 +95,23 @@ class GPT(nn.Module):
             return self.lm_head(self.ln_f(x))
 
 
-def build_model(size: str = "1b", tie: bool = False) -> GPT:
-    global _size
+def build_model(size: str = "1b", tie: bool = False, **dims: int) -> GPT:
+    """`dims` override fields of the named config: `--model-arg dim=12288 --model-arg
+    layers=96 --model-arg heads=96 --model-arg seq=2048 --model-arg vocab=51200` is GPT-3
+    175B's shape (Megatron's GPT: MLP 4 x dim, learned positions, untied output)."""
+    global _config
     if size not in CONFIGS:
         raise ValueError(f"size must be one of {sorted(CONFIGS)}, got {size!r}")
-    _size = size
-    return GPT(CONFIGS[size], tie=tie)
+    known = {f.name for f in fields(GPTConfig)}
+    if set(dims) - known:
+        raise TypeError(f"unknown config fields {sorted(set(dims) - known)}; known: "
+                        f"{sorted(known)}")
+    _config = replace(CONFIGS[size], **dims)
+    return GPT(_config, tie=tie)
 
 
 def example_batch(batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    c = CONFIGS[_size]
+    c = _config
     tokens = torch.randint(0, c.vocab, (batch_size, c.seq + 1))
     return tokens[:, :-1], tokens[:, 1:]
 

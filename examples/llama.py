@@ -8,7 +8,9 @@ and a SwiGLU MLP. Regions `embed`, `layer` (numbered), `head`.
 Configs (`--model-arg size=...`): `tiny` for tests, `7b` (Llama-2-7B shapes), `70b`
 (Llama-2-70B: 8 key/value heads for 64 query heads), `qwen3-1b` (Qwen3-style: RMSNorm on
 each head's queries and keys, tied input/output embedding, 151,936-token vocabulary; 1.1B
-parameters), `qwen3-tiny` (its shapes scaled down, for tests). `--model-arg dtype=bfloat16`
+parameters), `qwen3-tiny` (its shapes scaled down, for tests), `llama3-8b`, `llama3-70b`
+and `405b` (Llama 3.1 shapes: 128K vocabulary, 8K context). Any config field can be
+overridden: `--model-arg size=405b --model-arg seq=4096`. `--model-arg dtype=bfloat16`
 builds the model in bf16 (planning; the CPU runtime trains in the dtype it is given).
 Written for tensor parallelism (`TP_PLAN`: heads and the MLP's hidden units split; reshapes
 use -1 for the local heads).
@@ -16,7 +18,7 @@ use -1 for the local heads).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 
 import torch
 import torch.nn.functional as F
@@ -47,6 +49,13 @@ CONFIGS = {
                        ffn=28672),
     "qwen3-1b": LlamaConfig(vocab=151936, seq=1024, dim=2048, layers=16, heads=16, kv_heads=8,
                             ffn=6144, rope_theta=1e6, qk_norm=True, tie=True),
+    # Llama 3 / 3.1 (paper Table 3; 128,256-token vocabulary, RoPE base 500,000)
+    "llama3-8b": LlamaConfig(vocab=128256, seq=8192, dim=4096, layers=32, heads=32, kv_heads=8,
+                             ffn=14336, rope_theta=5e5),
+    "llama3-70b": LlamaConfig(vocab=128256, seq=8192, dim=8192, layers=80, heads=64,
+                              kv_heads=8, ffn=28672, rope_theta=5e5),
+    "405b": LlamaConfig(vocab=128256, seq=8192, dim=16384, layers=126, heads=128, kv_heads=8,
+                        ffn=53248, rope_theta=5e5),
     "qwen3-tiny": LlamaConfig(vocab=128, seq=16, dim=32, layers=4, heads=4, kv_heads=2, ffn=64,
                               rope_theta=1e6, qk_norm=True, tie=True),
 }
@@ -59,8 +68,10 @@ TP_PLAN = {
     "layers.*.w1": "colwise",
     "layers.*.w3": "colwise",
     "layers.*.w2": "rowwise",
+    "tok": "vocab",  # vocabulary-parallel embedding and output layer
+    "out": "colwise_rep",
 }
-_size = "7b"
+_config = CONFIGS["7b"]
 
 
 def rotate(x: torch.Tensor, theta: float) -> torch.Tensor:
@@ -128,19 +139,24 @@ class Llama(nn.Module):
             return self.out(self.norm(x))
 
 
-def build_model(size: str = "7b", dtype: str = "float32") -> Llama:
-    global _size
+def build_model(size: str = "7b", dtype: str = "float32", **dims: int) -> Llama:
+    """`dims` override fields of the named config (`--model-arg layers=48 seq=2048`)."""
+    global _config
     if size not in CONFIGS:
         raise ValueError(f"size must be one of {sorted(CONFIGS)}, got {size!r}")
     if not isinstance(getattr(torch, dtype, None), torch.dtype):
         raise TypeError(f"dtype must be a torch dtype such as float32 or bfloat16, got "
                          f"{dtype!r}")
-    _size = size
-    return Llama(CONFIGS[size]).to(getattr(torch, dtype))
+    known = {f.name for f in fields(LlamaConfig)}
+    if set(dims) - known:
+        raise TypeError(f"unknown config fields {sorted(set(dims) - known)}; known: "
+                        f"{sorted(known)}")
+    _config = replace(CONFIGS[size], **dims)
+    return Llama(_config).to(getattr(torch, dtype))
 
 
 def example_batch(batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    c = CONFIGS[_size]
+    c = _config
     tokens = torch.randint(0, c.vocab, (batch_size, c.seq + 1))
     return tokens[:, :-1], tokens[:, 1:]
 

@@ -90,7 +90,7 @@ class ModelGraph:
     batch: int
     tied: tuple[tuple[str, tuple[int, ...]], ...] = ()  # params used by several regions
     tied_numel: tuple[int, ...] = ()  # element count of each tied parameter
-    linears: tuple[tuple[str, tuple[int, int]], ...] = ()  # nn.Linear modules, weight shape
+    linears: tuple[tuple[str, tuple[int, int]], ...] = ()  # nn.Linear/Embedding: weight shape
     experts: tuple[tuple[str, int, str], ...] = ()  # Experts modules: (name, count, region)
     tp_plan: tuple[tuple[str, str], ...] = ()  # the model file's TP_PLAN
 
@@ -323,7 +323,7 @@ def _modules(model: torch.nn.Module, mg: ModelGraph) -> dict:
     """The layers tensor and expert parallelism can split, for directives to check against."""
     owner = {p: r.name for r in mg.regions for p in r.params}
     linears = tuple((n, tuple(m.weight.shape)) for n, m in model.named_modules()
-                    if type(m) is torch.nn.Linear)
+                    if type(m) in (torch.nn.Linear, torch.nn.Embedding))
     experts = tuple((n, m.num_experts, owner.get(f"{n}.w1", ""))
                     for n, m in expert_modules(model).items())
     return {"linears": linears, "experts": experts}

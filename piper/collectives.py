@@ -1,5 +1,6 @@
-"""Collectives that live *inside* a chunk's graph: Megatron's f/g for tensor parallelism and
-the all-to-all of expert parallelism.
+"""Collectives that live *inside* a chunk's graph: Megatron's f/g for tensor parallelism (and
+the gather after a vocabulary-parallel output layer) and the all-to-all of expert
+parallelism.
 
 They are `torch.library` custom ops with their own autograd formulas, so `torch.export`
 records each as one node (the captured graph keeps them; stage modules replay them) and
@@ -122,5 +123,35 @@ def _(x: torch.Tensor, group: int) -> torch.Tensor:
 all_to_all.register_autograd(lambda ctx, g: (_all_to_all(g, ctx.group), None),
                              setup_context=_keep_group)
 
-IN_GRAPH_OPS = {"tp_copy": TP_GROUP, "tp_reduce": TP_GROUP, "all_to_all": EP_GROUP}
+# ---- all-gather over the last dim forward, this rank's slice backward -------------------
+# (leaves a column-parallel layer whose whole output every rank needs: a vocabulary-parallel
+# output layer before a loss that reads all logits)
+@torch.library.custom_op("piper::tp_gather", mutates_args=())
+def tp_gather(x: torch.Tensor, group: int, degree: int) -> torch.Tensor:
+    src = _on_wire(x)
+    parts = [torch.empty_like(src) for _ in range(degree)]
+    g = _group(group)
+    with lanes.waiting():
+        dist.all_gather(parts, src, group=g)
+    return torch.cat(parts, dim=-1).to(x.dtype)
+
+
+@tp_gather.register_fake
+def _(x: torch.Tensor, group: int, degree: int) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], x.shape[-1] * degree))
+
+
+def _keep_gather(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
+    ctx.group, ctx.degree = inputs[1], inputs[2]
+
+
+def _own_slice(ctx: Any, g: torch.Tensor) -> tuple:
+    index = dist.get_rank(_group(ctx.group))
+    return g.chunk(ctx.degree, dim=-1)[index].contiguous(), None, None
+
+
+tp_gather.register_autograd(_own_slice, setup_context=_keep_gather)
+
+IN_GRAPH_OPS = {"tp_copy": TP_GROUP, "tp_reduce": TP_GROUP, "tp_gather": TP_GROUP,
+                "all_to_all": EP_GROUP}
 """Op name -> the group it runs over (cost models price these nodes as collectives)."""

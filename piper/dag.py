@@ -157,6 +157,9 @@ class TrainingDAG:
     sharding: ModelSharding = field(default_factory=ModelSharding)  # tensor / expert parallelism inside chunks
     recompute: tuple[int, ...] = ()  # stages whose activations are rebuilt in backward
     pairs: tuple[tuple[Node, Node], ...] = ()  # overlapped (forward, backward), replica 0 (Order)
+    kept: tuple[int, ...] = ()
+    """Replicas whose nodes exist; empty: all. A simulation view (`planner.replicas`): data-
+    parallel replicas that run alike are simulated once; their collectives keep whole groups."""
 
     @property
     def pp(self) -> int:
@@ -170,6 +173,11 @@ class TrainingDAG:
     @property
     def world_size(self) -> int:
         return self.pp * self.dp * self.sharding.tp
+
+    @property
+    def replicas(self) -> tuple[int, ...]:
+        """The replicas this DAG holds nodes of (all of them unless `kept` says otherwise)."""
+        return kept_replicas(self.kept, self.dp)
 
     def device_of(self, node: Node) -> int:
         return self.stages[node.stage].device
@@ -235,6 +243,11 @@ class TrainingDAG:
 
     def with_graph(self, graph: nx.DiGraph, **changes: object) -> TrainingDAG:
         return replace(self, graph=graph, **changes)
+
+
+def kept_replicas(kept: tuple[int, ...], dp: int) -> tuple[int, ...]:
+    """Of `dp` replicas, those `kept` names (all when it names none of them)."""
+    return tuple(r for r in kept if r < dp) or tuple(range(dp))
 
 
 def stage_dag(model: ModelGraph, stages: tuple[Stage, ...],
@@ -316,7 +329,8 @@ def verify(dag: TrainingDAG) -> None:
         problems.append(f"expert parallelism ep={sh.ep} splits data-parallel replicas, so "
                         f"it needs Replicate with a degree divisible by {sh.ep} (dp={dag.dp})")
     updates = [n for n in g.nodes if n.kind is Kind.UPDATE]
-    if len(updates) != len(dag.stages) * dag.dp:
-        problems.append(f"expected {len(dag.stages) * dag.dp} updates, got {len(updates)}")
+    want = len(dag.stages) * len(dag.replicas)
+    if len(updates) != want:
+        problems.append(f"expected {want} updates, got {len(updates)}")
     if problems:
         raise VerifyError("invalid DAG: " + "; ".join(problems))

@@ -26,7 +26,7 @@ DEFAULT_SEQ_LEN = 2048
 
 # base_model_tp_plan styles -> ours (piper.tensor_parallel); any other style is refused by
 # name, and the model plans without tensor parallelism
-TP_STYLES = {"colwise": "colwise", "rowwise": "rowwise",
+TP_STYLES = {"colwise": "colwise", "rowwise": "rowwise", "colwise_rep": "colwise_rep",
              "replicated_with_grad_allreduce": "replicate"}
 
 

@@ -23,6 +23,7 @@ from piper.directives import (
     from_dict,
 )
 from piper.directives.order import apply_orders
+from piper.directives.place import apply_places
 from piper.errors import DirectiveError, PiperError
 from piper.pyfile import import_user_file
 
@@ -48,6 +49,7 @@ class Program:
         """Apply every directive in turn, then check the result with `verify`."""
         phase = 0
         orders: list[tuple[int, Order]] = []  # a run of Orders is applied as one rewrite
+        places: list[tuple[int, Place]] = []  # and a run of Places builds one DAG
         for i, d in enumerate(self.directives):
             if d.phase < phase:
                 raise DirectiveError(i, d, "directives go in the order Place, Split, "
@@ -57,9 +59,16 @@ class Program:
             if isinstance(d, Order):
                 orders.append((i, d))
                 continue
+            if isinstance(d, Place):
+                places.append((i, d))
+                continue
+            if places:
+                dag, places = apply_places(dag, places), []
             if orders:
                 dag, orders = apply_orders(dag, orders), []
             dag = d.apply(dag, i)
+        if places:
+            dag = apply_places(dag, places)
         if orders:
             dag = apply_orders(dag, orders)
         placed = {r for r, _, _ in dag.placement}
@@ -144,3 +153,4 @@ class Program:
 
 __all__ = ["Order", "Place", "Program", "Recompute", "Replicate", "Shard", "ShardTensor",
            "Split", "SplitBackward", "Stream"]
+

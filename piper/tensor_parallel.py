@@ -9,6 +9,12 @@ A model file may define `TP_PLAN = {"blocks.*.fc": "colwise", "blocks.*.out": "r
                  each rank keeps its slice of every part, so `chunk(K, -1)` stays right
     rowwise      weight columns (input features) split; the partial products leave through
                  g (all-reduce forward, identity backward); the bias is added once, after g
+    colwise_rep  colwise, then the output gathered whole on every rank (Hugging Face's
+                 name; TorchTitan's ColwiseParallel(output_layouts=Replicate())): a
+                 vocabulary-parallel output layer before a loss that reads every logit
+    vocab        an nn.Embedding's rows (the vocabulary) split; each rank looks up the
+                 tokens in its range, zeros for the rest, and the partial embeddings leave
+                 through g (Megatron's VocabParallelEmbedding)
     replicate    any module, kept whole on every rank, whose parameters meet sharded
                  activations (a per-head q/k norm between column- and row-parallel layers):
                  each parameter enters through f, so its gradient is summed over the group
@@ -29,9 +35,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from piper.collectives import TP_GROUP, tp_copy, tp_reduce
+from piper.collectives import TP_GROUP, tp_copy, tp_gather, tp_reduce
 
-STYLES = ("colwise", "rowwise", "replicate")
+STYLES = ("colwise", "rowwise", "colwise_rep", "vocab", "replicate")
+ROW_SPLIT = ("colwise", "colwise_rep", "vocab")
+"""Styles that keep a slice of the weight's rows (dim 0) on each rank."""
 
 
 def parse_style(style: str) -> tuple[str, int]:
@@ -40,7 +48,7 @@ def parse_style(style: str) -> tuple[str, int]:
     if name not in STYLES or (parts and (not parts.isdigit() or int(parts) < 1)) or (
             parts and name != "colwise"):
         raise ValueError(f"unknown tensor-parallel style {style!r}; use colwise, colwise:K, "
-                         "rowwise or replicate")
+                         "rowwise, colwise_rep, vocab or replicate")
     return name, int(parts or 1)
 
 
@@ -65,8 +73,9 @@ def check_divisible(weight_shape: tuple[int, ...], style: str, parts: int, degre
                     ) -> str | None:
     """Why a linear weight of this shape cannot be split `degree` ways, or None."""
     out_f, in_f = weight_shape
-    if style == "colwise" and out_f % (parts * degree):
-        return f"{out_f} output features are not {parts} part(s) divisible by tp={degree}"
+    if style in ROW_SPLIT and out_f % (parts * degree):
+        what = "vocabulary rows" if style == "vocab" else "output features"
+        return f"{out_f} {what} are not {parts} part(s) divisible by tp={degree}"
     if style == "rowwise" and in_f % degree:
         return f"{in_f} input features are not divisible by tp={degree}"
     return None
@@ -77,6 +86,25 @@ class ColwiseLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(tp_copy(x, TP_GROUP), self.weight, self.bias)
+
+
+class ColwiseRepLinear(nn.Linear):
+    """A column-parallel Linear whose output is gathered whole (last dim) on every rank."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(tp_copy(x, TP_GROUP), self.weight, self.bias)
+        return tp_gather(y, TP_GROUP, self.tp_degree)
+
+
+class VocabEmbedding(nn.Embedding):
+    """An Embedding holding rows `vocab_start:vocab_start + num_embeddings` of the whole."""
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        outside = (idx < self.vocab_start) | (idx >= self.vocab_start + self.num_embeddings)
+        local = (idx - self.vocab_start).masked_fill(outside, 0)
+        y = F.embedding(local, self.weight, self.padding_idx, self.max_norm, self.norm_type,
+                        self.scale_grad_by_freq, self.sparse)
+        return tp_reduce(y.masked_fill(outside.unsqueeze(-1), 0.0), TP_GROUP)
 
 
 class RowwiseLinear(nn.Linear):
@@ -103,26 +131,46 @@ def shard_linears(model: nn.Module, plan: Iterable[tuple[str, str]], degree: int
     if degree == 1:
         return
     modules = dict(model.named_modules())
+    # a weight tied between two row-split layers (embedding and output) keeps one slice
+    sliced: dict[int, tuple[nn.Parameter, nn.Parameter]] = {}  # id(whole): (whole, slice)
     for name, (style, parts) in plan_targets(plan, modules).items():
         m = modules[name]
-        if type(m) is not nn.Linear:
-            raise ValueError(f"tensor-parallel plan entry {name!r} is a {type(m).__name__}, "
-                             "not an nn.Linear")
+        want = nn.Embedding if style == "vocab" else nn.Linear
+        if type(m) is not want:
+            raise ValueError(f"tensor-parallel plan entry {name!r} is a {type(m).__name__}; "
+                             f"style {style} splits an nn.{want.__name__}")
         why = check_divisible(tuple(m.weight.shape), style, parts, degree)
         if why:
             raise ValueError(f"{name}: {why}")
         with torch.no_grad():
-            if style == "colwise":
+            old = m.weight
+            if style in ROW_SPLIT:
                 w = _rows(m.weight, parts, degree, rank)
-                b = None if m.bias is None else _rows(m.bias, parts, degree, rank)
-                m.__class__ = ColwiseLinear
+                b = None if getattr(m, "bias", None) is None else _rows(m.bias, parts, degree,
+                                                                         rank)
             else:
                 w, b = m.weight.chunk(degree, dim=1)[rank], m.bias
-                m.__class__ = RowwiseLinear
-            m.weight = nn.Parameter(w.clone())
+            if style == "vocab":
+                m.__class__ = VocabEmbedding
+                m.vocab_start = rank * w.shape[0]
+                m.num_embeddings = w.shape[0]
+            else:
+                m.__class__ = {"colwise": ColwiseLinear, "colwise_rep": ColwiseRepLinear,
+                               "rowwise": RowwiseLinear}[style]
+                m.tp_degree = degree
+                m.out_features, m.in_features = w.shape
+            if id(old) in sliced and style in ROW_SPLIT:
+                m.weight = sliced[id(old)][1]
+            else:
+                m.weight = nn.Parameter(w.clone(), requires_grad=old.requires_grad)
+                sliced[id(old)] = (old, m.weight)  # holding `old` keeps its id unique
             if b is not None:
                 m.bias = nn.Parameter(b.clone())
-            m.out_features, m.in_features = w.shape
+    for name, m in model.named_modules():  # a tied weight split in one layer only
+        for leaf, p in m.named_parameters(recurse=False):
+            if id(p) in sliced and p is sliced[id(p)][0]:
+                raise ValueError(f"{name}.{leaf} is tied to a tensor-parallel layer's weight; "
+                                 "split every layer using it by rows (vocab, colwise_rep)")
     for pattern, style in plan:
         if parse_style(style)[0] != "replicate":
             continue

@@ -30,7 +30,9 @@ from piper.sharding import ModelSharding
 from planner.cache import EvaluationCache, evaluation_key
 from planner.memory_bound import device_peaks, early_reduce_scatter_stages
 from planner.repeats import PlanningCapture, planning_capture
+from planner.replicas import representative_replicas
 from runtime.lowering import apply_for, program_microbatch_size
+from runtime.mesh import Mesh
 from runtime.plan import Plan
 from runtime.scheduler import schedule
 from search_spaces.base import Infeasible
@@ -165,8 +167,12 @@ class Evaluator:
         hit = self.cache.get(key)
         if hit is not None:
             return hit
+        # one replica of each kind: the step's time at a cost that does not grow with dp
+        s = program.summary()
+        kept = representative_replicas(Mesh(s["pp"], s["dp"], s["tp"], s["ep"]), self.cluster)
+        dag = dataclasses.replace(self.dag, kept=kept)
         # no separate deadlock dry run: the simulator's timeline is one, and raises the same
-        plan = schedule(apply_for(program, self.dag, self.gpus), check=False)
+        plan = schedule(apply_for(program, dag, self.gpus), check=False)
         if plan.sharding.trivial:
             pred = simulate(plan, self.costs, self.cluster, mb)
         else:  # the rank's slice of the math, plus the collectives inside its chunks

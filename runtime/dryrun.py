@@ -83,6 +83,10 @@ def dry_run(plan: Plan, duration: Callable[[int, Task], float] = _unit,
     on_done: dict[tuple[int, str], list[int]] = {}
     on_arrival: dict[int, list[int]] = {}
     on_meeting: dict[tuple[tuple[int, ...], int], list[int]] = {}
+    # a collective meets when every rank of its group the plan holds has arrived (a
+    # simulation view holds one replica of each kind; the others would arrive alike)
+    present = {rp.rank for rp in plan.ranks}
+    seats_of: dict[tuple[int, ...], int] = {}
     spans: list[Span] = []
     add = spans.append
     todo = deque(range(n))
@@ -135,7 +139,10 @@ def dry_run(plan: Plan, duration: Callable[[int, Task], float] = _unit,
                     on_meeting.setdefault(key, []).append(i)
                     break
                 seats[r] = (i, ready)
-                if len(seats) < len(t.group):
+                need = seats_of.get(t.group)
+                if need is None:
+                    need = seats_of[t.group] = sum(1 for g in t.group if g in present)
+                if len(seats) < need:
                     break  # the last rank to arrive finishes this task for us
                 del meeting[key]
                 start = max(at for _, at in seats.values())

@@ -134,6 +134,8 @@ class Job:
                  device: str = "cpu", address: str | None = None, timeout_s: float = 300.0,
                  train: TrainConfig | None = None, done: int = 0) -> None:
         """`done`: steps trained before (the ranks' state is then loaded by `restore`)."""
+        if not plan.complete:
+            raise ValueError("a simulation view of a Plan (some replicas left out) cannot run")
         self.plan = plan
         self.done = done
         self.started = False

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from piper.sharding import ModelSharding
-from piper.tensor_parallel import plan_targets
+from piper.tensor_parallel import ROW_SPLIT, plan_targets
 
 Shape = tuple[int, ...]
 
@@ -78,7 +78,7 @@ class Slicing:
             return [Piece(zero, full, zero)]
         kind, parts = self.styles[name]
         tp, r = self.sh.tp, self.tp_rank
-        if kind == "colwise":
+        if kind in ROW_SPLIT:
             block = full[0] // parts
             piece = block // tp
             rest = full[1:]

@@ -91,8 +91,14 @@ class Plan:
 
     @property
     def world_size(self) -> int:
-        """Processes: one per logical rank (`ranks`) and tensor-parallel index."""
-        return len(self.ranks) * self.sharding.tp
+        """Processes: one per logical rank and tensor-parallel index."""
+        return self.pp * self.dp * self.sharding.tp
+
+    @property
+    def complete(self) -> bool:
+        """Whether every logical rank has its RankPlan: a simulation view keeps one replica
+        of each kind (`TrainingDAG.kept`), which no executor can run."""
+        return len(self.ranks) == self.pp * self.dp
 
     @property
     def paired(self) -> bool:

@@ -68,14 +68,16 @@ def schedule(dag: TrainingDAG, *, check: bool = True) -> Plan:
 
     # each overlapped pair, on every replica, by either member: (forward, backward); the
     # backward runs on PAIR_STREAM
-    pair_of = {n: p for f, b in dag.pairs for r in range(dag.dp)
+    pair_of = {n: p for f, b in dag.pairs for r in dag.replicas
                for p in [(Node(f.kind, f.stage, f.mb, r), Node(b.kind, b.stage, b.mb, r))]
                for n in p}
-    by_rank: list[list[Node]] = [[] for _ in range(dag.ranks)]
+    # the ranks of the replicas the DAG holds (all, unless it is a simulation view)
+    held = sorted(d * dag.dp + r for d in range(dag.pp) for r in dag.replicas)
+    by_rank: dict[int, list[Node]] = {rank: [] for rank in held}
     for n in order:  # one pass, not one per rank: large plans have ~100 ranks x 10^4 nodes
         by_rank[dag.rank_of(n)].append(n)
     ranks = []
-    for rank in range(dag.ranks):
+    for rank in held:
         mine = by_rank[rank]
         chunks = [n for n in mine if n.kind.is_chunk]
         seq: list[Node] = []

@@ -19,7 +19,7 @@ from torch import nn
 from piper.errors import PiperError
 from piper.model_file import ModelSpec
 from piper.sharding import ModelSharding
-from piper.tensor_parallel import plan_targets
+from piper.tensor_parallel import ROW_SPLIT, plan_targets
 
 
 @contextlib.contextmanager
@@ -139,7 +139,7 @@ def _read(handle: Any, name: str, style: tuple[str, int] | None, degree: int, ra
         return handle.get_tensor(name)
     kind, parts = style
     sl = handle.get_slice(name)
-    if kind == "colwise":
+    if kind in ROW_SPLIT:
         rows = sl.get_shape()[0]
         block = rows // parts
         piece = block // degree

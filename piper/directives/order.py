@@ -103,7 +103,7 @@ def apply_orders(dag: TrainingDAG, orders: list[tuple[int, Order]]) -> TrainingD
         for index, order in orders:
             words = order.chain(dag, index)
             pairs += [w for w in words if len(w) == 2]  # type: ignore[misc]
-            for r in range(dag.dp):
+            for r in dag.replicas:
                 for before, after in itertools.pairwise(words):
                     for a, b in itertools.product(before, after):
                         a, b = Node(a.kind, a.stage, a.mb, r), Node(b.kind, b.stage, b.mb, r)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import fnmatch
-from dataclasses import KW_ONLY, dataclass
+from dataclasses import KW_ONLY, dataclass, replace
 
 from piper.dag import Stage, TrainingDAG, stage_dag
 from piper.directives.base import Directive
@@ -39,9 +39,17 @@ class Place(Directive):
     def apply(self, dag: TrainingDAG, index: int) -> TrainingDAG:
         if dag.microbatches != 1 or dag.dp != 1 or dag.ordered:
             raise DirectiveError(index, self, "Place must come before Split, Replicate and Order")
+        placement = self.placed(dag.model.names, dag.placement, index)
+        return replace(stage_dag(dag.model, stages_from(dag.model.names, placement),
+                                 placement), kept=dag.kept)
+
+    def placed(self, names: tuple[str, ...], placement: tuple[tuple[str, int, int], ...],
+               index: int) -> tuple[tuple[str, int, int], ...]:
+        """`placement` with this directive's regions added, every check made: what `apply`
+        builds its DAG from. A run of Places builds the DAG once, from the last one
+        (`Program.apply`): each DAG is a graph of every region."""
         if self.stage < 0 or self.device < 0:
             raise DirectiveError(index, self, "stage and device must be >= 0")
-        names = dag.model.names
         matched: list[str] = []
         for pat in self.regions:
             hits = [n for n in names if fnmatch.fnmatchcase(n, pat)]
@@ -49,20 +57,20 @@ class Place(Directive):
                 raise DirectiveError(index, self, f"{pat!r} matches no region; regions are "
                                      f"{', '.join(names)}")
             matched += [h for h in hits if h not in matched]
-        placed = {r: (s, d) for r, s, d in dag.placement}
+        placed = {r for r, _, _ in placement}
         again = [r for r in matched if r in placed]
         if again:
             raise DirectiveError(index, self, f"regions {again} are already placed")
-        clash = {d for r, s, d in dag.placement if s == self.stage}
+        clash = {d for r, s, d in placement if s == self.stage}
         if clash and clash != {self.device}:
             raise DirectiveError(index, self, f"stage {self.stage} is already on device "
                                  f"{clash.pop()}")
-        placement = dag.placement + tuple((r, self.stage, self.device) for r in matched)
+        out = placement + tuple((r, self.stage, self.device) for r in matched)
         try:
-            stages = stages_from(dag.model.names, placement)
+            stages_from(names, out)
         except ValueError as e:
             raise DirectiveError(index, self, str(e)) from None
-        return stage_dag(dag.model, stages, placement)
+        return out
 
 
 def stages_from(names: tuple[str, ...], placement: tuple[tuple[str, int, int], ...]
@@ -84,3 +92,16 @@ def stages_from(names: tuple[str, ...], placement: tuple[tuple[str, int, int], .
     if ids != list(range(len(ids))):
         raise ValueError(f"stage numbers must be 0..{len(ids) - 1} with no gaps, got {ids}")
     return tuple(Stage(s, tuple(by_stage[s]), device[s]) for s in ids)
+
+
+def apply_places(dag: TrainingDAG, places: list[tuple[int, Place]]) -> TrainingDAG:
+    """Consecutive Places (`(index, Place)` pairs): each checked as `Place.apply` checks it,
+    one DAG built from the last placement, not one per directive."""
+    index, first = places[0]
+    if dag.microbatches != 1 or dag.dp != 1 or dag.ordered:
+        raise DirectiveError(index, first, "Place must come before Split, Replicate and Order")
+    placement = dag.placement
+    for i, p in places:
+        placement = p.placed(dag.model.names, placement, i)
+    return replace(stage_dag(dag.model, stages_from(dag.model.names, placement), placement),
+                   kept=dag.kept)

@@ -7,7 +7,7 @@ from dataclasses import KW_ONLY, dataclass
 
 import networkx as nx
 
-from piper.dag import Kind, Node, TrainingDAG
+from piper.dag import Kind, Node, TrainingDAG, kept_replicas
 from piper.directives.base import Directive
 from piper.errors import DirectiveError
 
@@ -68,7 +68,7 @@ class Replicate(Directive):
             raise DirectiveError(index, self, "Replicate must come once, before Order")
         g = nx.DiGraph()
         edges = list(dag.graph.edges(data=True))
-        for r in range(self.degree):
+        for r in kept_replicas(dag.kept, self.degree):
             copy = {n: Node(n.kind, n.stage, n.mb, r, n.src, n.dst, n.grad)
                     for n in dag.graph.nodes}
             before = len(g)

@@ -7,16 +7,18 @@ from dataclasses import KW_ONLY, dataclass, replace
 from piper.dag import TrainingDAG
 from piper.directives.base import Directive
 from piper.errors import DirectiveError
-from piper.tensor_parallel import check_divisible, plan_targets
+from piper.tensor_parallel import ROW_SPLIT, check_divisible, plan_targets
 
 
 @dataclass(frozen=True, repr=False)
 class ShardTensor(Directive):
-    """Split the planned `nn.Linear` layers `degree` ways; each rank runs its slice.
+    """Split the planned `nn.Linear` (and `nn.Embedding`) layers `degree` ways; each rank runs
+    its slice.
 
-    `plan` is ((module glob, style), ...) with styles colwise, colwise:K, rowwise (see
-    `piper.tensor_parallel`); empty means the model file's `TP_PLAN`.
-    Requires: once, before Order; the planned layers divisible by `degree`, none of them tied.
+    `plan` is ((module glob, style), ...) with styles colwise, colwise:K, rowwise,
+    colwise_rep, vocab (see `piper.tensor_parallel`); empty means the model file's `TP_PLAN`.
+    Requires: once, before Order; the planned layers divisible by `degree`; a tied weight
+    split by rows in every layer using it.
     Rewrites: no node changes — every rank of the DAG becomes `degree` devices running the
     same tasks on their slices, with Megatron's f/g all-reduces inside the chunks (so the
     world is pp x dp x degree). P2P goes between ranks of equal tensor-parallel index;
@@ -52,8 +54,9 @@ class ShardTensor(Directive):
             why = check_divisible(shapes[name], style, parts, self.degree)
             if why:
                 raise DirectiveError(index, self, f"{name}: {why}")
-            if f"{name}.weight" in tied:
+            if f"{name}.weight" in tied and (style not in ROW_SPLIT or parts != 1):
                 raise DirectiveError(index, self, f"{name}.weight is tied to another layer; "
-                                     "tied parameters cannot be tensor-parallel")
+                                     "a tied weight splits only by rows (vocab, colwise, "
+                                     "colwise_rep) in every layer using it")
         sharding = replace(dag.sharding, tp=self.degree, tp_plan=tuple(plan))
         return dag.with_graph(dag.graph, sharding=sharding)

@@ -3,6 +3,8 @@ collectives inside chunks priced by the alpha-beta formulas."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 import piper
@@ -27,7 +29,33 @@ def test_megatron_layers_have_one_g_and_one_f_per_column_row_pair() -> None:
     layers = [cap.graph.names.index(f"layer.{i}") for i in range(4)]
     assert all(traffic.forward_all_reduce[r] == (act, act) for r in layers)
     assert all(traffic.backward_all_reduce[r] == (act, act) for r in layers)
-    assert sum(map(len, traffic.forward_all_reduce)) == 8, "embed and head stay replicated"
+    # the vocabulary-parallel embedding leaves through one g; the output layer enters
+    # through f and gathers its logits (seq 16 x vocab 128 fp32)
+    embed, head = cap.graph.names.index("embed"), cap.graph.names.index("head")
+    assert traffic.forward_all_reduce[embed] == (act,)
+    assert traffic.backward_all_reduce[head] == (act,)
+    assert traffic.forward_all_gather[head] == (16 * 128 * 4,)
+    assert sum(map(len, traffic.forward_all_gather)) == 1
+
+
+def test_the_gathered_logits_are_priced_as_an_all_gather() -> None:
+    spec = load_model_file(GPT, TINY)
+    cluster = load_cluster("h100-80gb")
+    sharding = ModelSharding(tp=2, tp_plan=spec.tp_plan)
+    cap = piper.capture(spec, 1, sharding)
+    dag0 = piper.single_device_dag(piper.capture(spec, 1).graph)
+    prog = schedules.shard(schedules.build("1f1b", [list(dag0.model.names)], microbatches=1),
+                           tp=2)
+    plan = schedule(prog.apply(dag0))
+    costs = Evaluator(spec, 2, 4, cluster).sharded_costs(plan.sharding)[0]
+    base = task_costs(plan, costs, cluster, 4)
+    traffic = in_graph_comm(cap)
+    without = dataclasses.replace(traffic, forward_all_gather=())
+    got = with_in_graph_comm(base, plan, traffic, cluster, 4)
+    no_gather = with_in_graph_comm(base, plan, without, cluster, 4)
+    gather = comm.collective_time(comm.ALL_GATHER, 4 * 16 * 128 * 4, (0, 1), cluster)
+    assert got.forward_s[0] - no_gather.forward_s[0] == pytest.approx(gather)
+    assert got.backward_s[0] == no_gather.backward_s[0], "backward keeps a slice: no traffic"
 
 
 def test_chunk_times_grow_by_exactly_the_in_graph_collectives() -> None:
@@ -57,7 +85,7 @@ def test_tensor_parallel_halves_the_math_and_adds_all_reduces() -> None:
     dp8 = ev.evaluate(schedules.build("1f1b", stages, microbatches=1, dp=8))
     tp2 = ev.evaluate(schedules.shard(schedules.build("1f1b", stages, microbatches=1, dp=4),
                                       tp=2))
-    assert tp2.plan.world_size == 8 and len(tp2.plan.ranks) == 4
+    assert tp2.plan.world_size == 8 and tp2.plan.pp * tp2.plan.dp == 4
     full, half = ev.costs, ev.sharded_costs(tp2.plan.sharding)[0]
     layer = full.regions.index("layer.0")
     assert half.forward_flops[layer] < 0.6 * full.forward_flops[layer]

@@ -13,7 +13,14 @@ import piper
 from piper import Experts, Place, Program, Replicate, Shard, ShardTensor, Split, schedules
 from piper.dag import VerifyError
 from piper.model_file import load_model_file
-from piper.tensor_parallel import ColwiseLinear, RowwiseLinear, parse_style, shard_linears
+from piper.tensor_parallel import (
+    ColwiseLinear,
+    ColwiseRepLinear,
+    RowwiseLinear,
+    VocabEmbedding,
+    parse_style,
+    shard_linears,
+)
 from tests.conftest import GPT, ROOT
 
 MOE = str(ROOT / "examples" / "moe.py")
@@ -36,6 +43,8 @@ def test_parse_style() -> None:
     assert parse_style("colwise") == ("colwise", 1)
     assert parse_style("colwise:3") == ("colwise", 3)
     assert parse_style("rowwise") == ("rowwise", 1)
+    assert parse_style("colwise_rep") == ("colwise_rep", 1)
+    assert parse_style("vocab") == ("vocab", 1)
     for bad in ("rowwise:2", "colwise:0", "colwise:x", "diagonal"):
         with pytest.raises(ValueError, match="unknown tensor-parallel style"):
             parse_style(bad)
@@ -67,8 +76,43 @@ def test_plan_entry_matching_nothing_or_not_a_linear_is_an_error() -> None:
     m = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
     with pytest.raises(ValueError, match="'x.*' matches no module"):
         shard_linears(m, (("x.*", "colwise"),), 2, 0)
-    with pytest.raises(ValueError, match="is a ReLU, not an nn.Linear"):
+    with pytest.raises(ValueError, match="is a ReLU; style colwise splits an nn.Linear"):
         shard_linears(m, (("1", "colwise"),), 2, 0)
+    with pytest.raises(ValueError, match="is a Linear; style vocab splits an nn.Embedding"):
+        shard_linears(m, (("0", "vocab"),), 2, 0)
+
+
+class _Tied(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(8, 4)
+        self.out = nn.Linear(4, 8, bias=False)
+        self.out.weight = self.tok.weight
+
+
+def test_vocab_embedding_and_gathered_output_split_rows_and_keep_a_tie() -> None:
+    torch.manual_seed(0)
+    full = _Tied()
+    ranks = []
+    for rank in range(2):
+        m = copy.deepcopy(full)
+        shard_linears(m, (("tok", "vocab"), ("out", "colwise_rep")), 2, rank)
+        ranks.append(m)
+    for rank, m in enumerate(ranks):
+        assert isinstance(m.tok, VocabEmbedding) and isinstance(m.out, ColwiseRepLinear)
+        assert m.tok.weight is m.out.weight, "the tied slice stays one parameter"
+        assert torch.equal(m.tok.weight, full.tok.weight[4 * rank:4 * rank + 4])
+        assert m.tok.vocab_start == 4 * rank and m.tok.num_embeddings == 4
+        assert len(list(m.parameters())) == 1
+    untied = copy.deepcopy(full)
+    with pytest.raises(ValueError, match="out.weight is tied to a tensor-parallel layer"):
+        shard_linears(untied, (("tok", "vocab"),), 2, 0)
+
+
+def test_a_vocab_that_does_not_divide_is_refused() -> None:
+    m = nn.Sequential(nn.Embedding(9, 4))
+    with pytest.raises(ValueError, match="9 vocabulary rows are not 1 part"):
+        shard_linears(m, (("0", "vocab"),), 2, 0)
 
 
 # ---- experts -------------------------------------------------------------------------------
@@ -115,7 +159,11 @@ def test_shard_tensor_without_a_plan_or_on_a_tied_weight(gpt_dag) -> None:
     tied = piper.single_device_dag(piper.capture(
         load_model_file(GPT, (("size", "tiny"), ("tie", True))), 2).graph)
     with pytest.raises(piper.DirectiveError, match="lm_head.weight is tied"):
-        Program([ShardTensor(2, plan=(("lm_head", "colwise"),))]).apply(tied)
+        Program([ShardTensor(2, plan=(("lm_head", "rowwise"),))]).apply(tied)
+    # split by rows everywhere it is used, a tied weight shards (Megatron's tied vocab)
+    dag = Program([ShardTensor(2, plan=(("tok", "vocab"), ("lm_head", "colwise_rep")))]
+                  ).apply(tied)
+    assert dag.sharding.tp == 2
 
 
 def test_shard_splits_the_experts_of_matched_regions(moe_dag) -> None:

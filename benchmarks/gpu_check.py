@@ -1,0 +1,228 @@
+"""The prepared check for the day a GPU is lent (issue 18): measured against simulated.
+
+    bash benchmarks/gpu_check.sh                         # on the GPU machine, <= 8 minutes
+    python benchmarks/gpu_check.py --device cpu --size tiny --steps 3   # the same path, here
+
+1. CUDA paths the runtime relies on, each checked in this process: bf16 matmuls against
+   fp32, a side stream ordered by an event, `torch.cuda.max_memory_allocated`, a one-rank
+   NCCL group's all-reduce.
+2. The device's bf16 matmul rate by size (the saturating curve the cost model uses:
+   rate = peak x efficiency x f / (f + half)) and its copy bandwidth, against the catalog.
+3. `piper-plan profile` on the device -> OUT/cluster.toml (the fp32 figures), and the same
+   spec with the measured bf16 curve -> OUT/cluster_bf16.toml.
+4. Strategies of a ~124M-parameter GPT (GPT-2 small shapes) trained for real on the device
+   (`piper-plan run --json`) and simulated on the profiled cluster (`piper-plan simulate
+   --json`): step time and peak memory, measured vs predicted. Several processes cannot
+   share the one GPU under NCCL (each rank owns a device), so multi-rank strategies are
+   attempted and reported as refused when the machine has one GPU.
+
+Writes OUT/gpu_check.json and prints one table; never a test dependency.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+from scipy.optimize import curve_fit  # noqa: E402
+
+from cost_models.cluster import load_cluster, to_toml  # noqa: E402
+
+GPT = str(ROOT / "examples" / "gpt.py")
+SIZES = {  # --model-arg pairs
+    "gpt124m": ["size=1b", "dim=768", "layers=12", "heads=12", "seq=1024", "vocab=50304"],
+    "tiny": ["size=tiny"],
+}
+STRATEGIES = [  # (label, precision, extra flags, gpus)
+    ("fp32 mb1", "fp32", ["--microbatches", "1"], 1),
+    ("fp32 mb4", "fp32", ["--microbatches", "4"], 1),
+    ("bf16-mixed mb1", "bf16-mixed", ["--microbatches", "1"], 1),
+    ("bf16-mixed mb4 recompute", "bf16-mixed", ["--microbatches", "4", "--recompute"], 1),
+    ("bf16-mixed pp2 1f1b mb4", "bf16-mixed", ["--pp", "2", "--microbatches", "4"], 2),
+    ("bf16-mixed dp2 zero3", "bf16-mixed", ["--dp", "2", "--zero", "3"], 2),
+]
+
+
+def cuda_paths(device: str) -> dict:
+    """Each CUDA path the runtime uses, run once here; on CPU, the same calls where they
+    exist (so the script itself is exercised without a GPU)."""
+    out: dict = {"device": device}
+    dev = torch.device(device)
+    a = torch.randn(512, 512, device=dev)
+    b = torch.randn(512, 512, device=dev)
+    low = (a.bfloat16() @ b.bfloat16()).float()
+    out["bf16_matmul_rel_error"] = float((low - a @ b).norm() / (a @ b).norm())
+    if device != "cuda":
+        return out
+    out["name"] = torch.cuda.get_device_name()
+    out["memory_gib"] = torch.cuda.get_device_properties(0).total_memory / 2**30
+    out["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+    side = torch.cuda.Stream()
+    done = torch.cuda.Event()
+    with torch.cuda.stream(side):
+        c = a @ b
+        done.record(side)
+    torch.cuda.current_stream().wait_event(done)
+    out["stream_event_ok"] = bool(torch.allclose(c, a @ b))
+    torch.cuda.reset_peak_memory_stats()
+    big = torch.empty(256 * 2**20, dtype=torch.uint8, device=dev)
+    out["max_memory_allocated_ok"] = torch.cuda.max_memory_allocated() >= big.numel()
+    del big
+    import torch.distributed as dist
+
+    store = dist.HashStore()
+    dist.init_process_group("nccl", store=store, rank=0, world_size=1)
+    t = torch.ones(4, device=dev)
+    dist.all_reduce(t)
+    out["nccl_all_reduce_ok"] = bool(torch.equal(t, torch.ones(4, device=dev)))
+    dist.destroy_process_group()
+    return out
+
+
+def _timed(fn, device: str, reps: int) -> float:
+    fn()
+    if device == "cuda":
+        torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return (time.perf_counter() - t) / reps
+
+
+def matmul_curve(device: str, quick: bool) -> dict:
+    """bf16 matmul rate by FLOPs, fitted to peak x efficiency x f / (f + half)."""
+    dev = torch.device(device)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    shapes = [(256, 256, 256), (1024, 1024, 1024), (2048, 2048, 2048), (4096, 4096, 4096),
+              (8192, 8192, 8192), (4096, 768, 3072), (8192, 4096, 1024), (2048, 12288, 3072)]
+    if quick:
+        shapes = shapes[:3]
+    points = []
+    for m, k, n in shapes:
+        a = torch.randn(m, k, device=dev, dtype=dtype)
+        b = torch.randn(k, n, device=dev, dtype=dtype)
+        s = _timed(lambda a=a, b=b: a @ b, device, 3 if quick else 20)
+        points.append((2.0 * m * k * n, 2.0 * m * k * n / s))
+    f = [p[0] for p in points]
+    r = [p[1] for p in points]
+    (rmax, half), _ = curve_fit(lambda x, top, h: top * x / (x + h), f, r,
+                                p0=(max(r), min(f)), bounds=([0, 0], [10 * max(r), 1e15]))
+    x = torch.empty(256 * 2**20 if not quick else 2**24, dtype=torch.uint8, device=dev)
+    y = torch.empty_like(x)
+    copy_s = _timed(lambda: y.copy_(x), device, 3 if quick else 10)
+    return {"points": points, "rate_max": float(rmax), "half_flops": float(half),
+            "copy_bandwidth": 2 * x.numel() / copy_s}
+
+
+def catalog_name(device: str) -> str:
+    if device != "cuda":
+        return "cpu"
+    name = torch.cuda.get_device_name().lower()
+    return "h200" if "h200" in name else "a100-80gb" if "a100" in name else "h100-80gb"
+
+
+def piper(*args: str, timeout: int = 300) -> tuple[int, dict | None, str]:
+    """One `piper-plan` command: (exit code, its --json object or None, stderr tail)."""
+    cmd = [sys.executable, "-m", "planner.cli", *args]
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    except subprocess.TimeoutExpired:
+        return 124, None, f"timed out after {timeout} s"
+    try:
+        obj = json.loads(p.stdout) if p.stdout.strip() else None
+    except json.JSONDecodeError:
+        obj = None
+    return p.returncode, obj, p.stderr.strip().splitlines()[-1] if p.stderr.strip() else ""
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    ap.add_argument("--size", choices=sorted(SIZES), default="gpt124m")
+    ap.add_argument("--batch-size", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "out" / "gpu_check")
+    args = ap.parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("error: no CUDA device here (use --device cpu to exercise the script)",
+              file=sys.stderr)
+        return 2
+    args.out.mkdir(parents=True, exist_ok=True)
+    quick = args.size == "tiny"
+    start = time.perf_counter()
+    report: dict = {"paths": cuda_paths(args.device)}
+    print("CUDA paths:", json.dumps(report["paths"]))
+    curve = matmul_curve(args.device, quick)
+    report["matmul"] = curve
+    base = load_cluster(catalog_name(args.device))
+    peak = base.peak_flops(args.device == "cuda")
+    print(f"matmul: up to {curve['rate_max'] / 1e12:.1f} TFLOP/s = "
+          f"{curve['rate_max'] / peak:.2f} of the catalog's {peak / 1e12:.0f} TF peak "
+          f"(catalog assumes {base.compute_efficiency}); half rate at "
+          f"{curve['half_flops']:.3g} FLOPs; copy {curve['copy_bandwidth'] / 1e9:.0f} GB/s")
+    model = [a for kv in SIZES[args.size] for a in ("--model-arg", kv)]
+    common = [GPT, *model, "--batch-size", str(args.batch_size)]
+    cluster = args.out / "cluster.toml"
+    rc, _, err = piper("profile", *common, "--gpus", "1", "--device", args.device,
+                       "--out", str(cluster), timeout=240)
+    if rc != 0:
+        print(f"profile failed (exit {rc}): {err}")
+        return 1
+    spec = load_cluster(str(cluster))
+    low = dataclasses.replace(spec, name=f"{spec.name}-bf16",
+                              bf16_flops=curve["rate_max"] / spec.compute_efficiency)
+    cluster_bf16 = args.out / "cluster_bf16.toml"
+    cluster_bf16.write_text(to_toml(low))
+    rows = []
+    for label, precision, flags, gpus in STRATEGIES:
+        which = cluster_bf16 if precision != "fp32" else cluster
+        strat = [*common, "--gpus", str(gpus), "--precision", precision, *flags]
+        rc_s, sim, err_s = piper("simulate", *strat, "--cluster", str(which), "--json")
+        rc_r, run, err_r = piper("run", *strat, "--device", args.device, "--steps",
+                                 str(args.steps), "--seed", "0", "--json", timeout=240)
+        row = {"strategy": label, "gpus": gpus}
+        if rc_r == 0 and run and rc_s == 0 and sim:
+            times = [s["time_s"] for s in run["steps"][1:]] or [run["steps"][0]["time_s"]]
+            measured = statistics.median(times)
+            predicted = sim["predicted"]["step_time_s"]
+            row |= {"measured_s": measured, "predicted_s": predicted,
+                    "error": predicted / measured - 1,
+                    "measured_peak": max(run["peak_memory_bytes"]),
+                    "predicted_peak": max(sim["predicted"]["peak_memory_bytes"])}
+        else:
+            row["not_run"] = err_r or err_s or f"exit {rc_r}/{rc_s}"
+        rows.append(row)
+        print(json.dumps(row))
+    report["strategies"] = rows
+    report["seconds"] = time.perf_counter() - start
+    (args.out / "gpu_check.json").write_text(json.dumps(report, indent=1))
+    print(f"\n{'strategy':<28} {'measured':>10} {'predicted':>10} {'error':>7} "
+          f"{'peak meas.':>11} {'peak pred.':>11}")
+    for r in rows:
+        if "not_run" in r:
+            print(f"{r['strategy']:<28} not run: {r['not_run'][:90]}")
+            continue
+        print(f"{r['strategy']:<28} {r['measured_s'] * 1e3:>8.1f}ms {r['predicted_s'] * 1e3:>8.1f}ms "
+              f"{100 * r['error']:>+6.1f}% {r['measured_peak'] / 2**20:>9.0f}Mi "
+              f"{r['predicted_peak'] / 2**20:>9.0f}Mi")
+    done = [r for r in rows if "error" in r]
+    if done:
+        print(f"MAPE {100 * statistics.fmean(abs(r['error']) for r in done):.1f}% over "
+              f"{len(done)} strategies; {report['seconds']:.0f} s in all")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -33,10 +33,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-import torch  # noqa: E402
-from scipy.optimize import curve_fit  # noqa: E402
+import torch
+from scipy.optimize import curve_fit
 
-from cost_models.cluster import load_cluster, to_toml  # noqa: E402
+from cost_models.cluster import load_cluster, to_toml
 
 GPT = str(ROOT / "examples" / "gpt.py")
 SIZES = {  # --model-arg pairs
@@ -137,7 +137,8 @@ def piper(*args: str, timeout: int = 300) -> tuple[int, dict | None, str]:
     """One `piper-plan` command: (exit code, its --json object or None, stderr tail)."""
     cmd = [sys.executable, "-m", "planner.cli", *args]
     try:
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+        p = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=timeout,
+                           cwd=ROOT)
     except subprocess.TimeoutExpired:
         return 124, None, f"timed out after {timeout} s"
     try:

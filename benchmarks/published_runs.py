@@ -35,12 +35,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from scipy import stats  # noqa: E402
+from scipy import stats
 
-from cost_models import load_cluster  # noqa: E402
-from piper.model_file import load_model_file  # noqa: E402
-from planner.evaluate import Evaluator  # noqa: E402
-from planner.strategy import shorthand_program  # noqa: E402
+from cost_models import load_cluster
+from piper.model_file import load_model_file
+from planner.evaluate import Evaluator
+from planner.strategy import shorthand_program
 
 GPT = str(ROOT / "examples" / "gpt.py")
 LLAMA = str(ROOT / "examples" / "llama.py")
@@ -135,9 +135,9 @@ def korthikanti() -> list[Run]:
     for name, heads, h, layers, tp, pp, gbs, mbs, full, present in rows:
         v = 3 if name in ("175B", "530B") else 1
         sched = "interleaved-1f1b" if v > 1 else "1f1b"
-        common = dict(model=GPT, args=_gpt(h, layers, heads, 51200, 2048),
-                      cluster="a100-80gb", gpus=tp * pp, tp=tp, pp=pp, dp=1, mbs=mbs, gbs=gbs,
-                      schedule=sched, v=v)
+        common = {"model": GPT, "args": _gpt(h, layers, heads, 51200, 2048),
+                  "cluster": "a100-80gb", "gpus": tp * pp, "tp": tp, "pp": pp, "dp": 1,
+                  "mbs": mbs, "gbs": gbs, "schedule": sched, "v": v}
         out.append(Run("korthikanti", f"GPT {name} tp{tp} pp{pp} full recompute",
                        published_s=full, recompute=True, **common))
         out.append(Run("korthikanti", f"GPT {name} tp{tp} pp{pp} SP+selective",

@@ -217,8 +217,9 @@ CATALOG: dict[str, ClusterSpec] = {
             source="torchtitan benchmarks/llama3_h100_202412_torchtitan.md (Grand Teton, 8 H100 "
                    "per host on NVLink, 96 GB HBM2e, 500 W power limit, 400 Gb/s RDMA per GPU; "
                    "MFU there is computed against the SXM part's 989 TF); peak rates, NVLink "
-                   "and memory bandwidth as the H100 SXM: no figure is published for this "
-                   "part, so the power cap's lower clocks are not modelled; " + _ASSUMED),
+                   f"and memory bandwidth as the H100 SXM ({_NVIDIA}): none is published for "
+                   "this part, so the power cap's lower clocks are not modelled; "
+                   + _ASSUMED),
         ClusterSpec(
             name="h200", device="NVIDIA H200-SXM-141GB", gpus_per_node=8,
             # 141 GB datasheet; nvidia-smi shows ~140 GiB, so round down to that

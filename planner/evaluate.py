@@ -72,6 +72,7 @@ class Evaluator:
         default_factory=dict, repr=False)
     _stage_cuts: dict[tuple, tuple[list, list]] = field(default_factory=dict, repr=False)
     _shardings: dict[tuple, ModelSharding] = field(default_factory=dict, repr=False)
+    _last_plan: tuple[Program, Plan] | None = field(default=None, repr=False)
 
     @cached_property
     def captured(self) -> PlanningCapture:
@@ -92,6 +93,7 @@ class Evaluator:
         state = dict(self.__dict__)
         state["spec"] = self.spec.source
         state["cache"] = EvaluationCache()  # results stay where they were computed
+        state["_last_plan"] = None
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -159,6 +161,27 @@ class Evaluator:
             early=early_reduce_scatter_stages(orders, dp=dp, zero=zero, bucket_bytes=bucket,
                                               moved=moved)))
 
+    def _plan(self, program: Program) -> Plan:
+        """The simulation view of `program`'s Plan: one replica of each kind, so its cost
+        does not grow with dp. Programs that differ only in the bucket cap (a search scores
+        each cap of a point: `SearchSpace.variants`) share one DAG and schedule: the cap
+        changes how collectives are priced, not which tasks run."""
+        rep = next((d for d in program.directives if isinstance(d, Replicate)), None)
+        bucket = rep.bucket_mb if rep else None
+        key = Program([dataclasses.replace(d, bucket_mb=None) if d is rep else d
+                       for d in program.directives], name=program.name)
+        last = self._last_plan
+        if last is None or last[0] != key:
+            s = program.summary()
+            kept = representative_replicas(Mesh(s["pp"], s["dp"], s["tp"], s["ep"]),
+                                           self.cluster)
+            dag = dataclasses.replace(self.dag, kept=kept)
+            # no separate deadlock dry run: the simulator's timeline is one, and raises the same
+            last = self._last_plan = (key, schedule(apply_for(key, dag, self.gpus),
+                                                    check=False))
+        return dataclasses.replace(last[1], bucket_bytes=max(1, round(bucket * 2**20))
+                                   if bucket else 0)
+
     def evaluate(self, program: Program) -> Evaluation:
         """Apply, schedule and simulate `program`, or return the cached result for its key."""
         mb = program_microbatch_size(program, self.batch_size)
@@ -167,12 +190,7 @@ class Evaluator:
         hit = self.cache.get(key)
         if hit is not None:
             return hit
-        # one replica of each kind: the step's time at a cost that does not grow with dp
-        s = program.summary()
-        kept = representative_replicas(Mesh(s["pp"], s["dp"], s["tp"], s["ep"]), self.cluster)
-        dag = dataclasses.replace(self.dag, kept=kept)
-        # no separate deadlock dry run: the simulator's timeline is one, and raises the same
-        plan = schedule(apply_for(program, dag, self.gpus), check=False)
+        plan = self._plan(program)
         if plan.sharding.trivial:
             pred = simulate(plan, self.costs, self.cluster, mb)
         else:  # the rank's slice of the math, plus the collectives inside its chunks

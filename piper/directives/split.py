@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import networkx as nx
 
-from piper.dag import TrainingDAG
+from piper.dag import Node, TrainingDAG
 from piper.directives.base import Directive
 from piper.errors import DirectiveError
 
@@ -34,12 +34,13 @@ class Split(Directive):
         if dag.microbatches != 1 or dag.dp != 1 or dag.ordered:
             raise DirectiveError(index, self, "Split must come once, before Replicate and Order")
         g = nx.DiGraph()
-        per_mb = [n for n in dag.graph.nodes if n.mb >= 0]
-        for m in range(self.microbatches):
-            g.add_nodes_from(replace(n, mb=m) for n in per_mb)
-        for u, v, attrs in dag.graph.edges(data=True):
-            for m in range(self.microbatches):
-                uu = u if u.mb < 0 else replace(u, mb=m)
-                vv = v if v.mb < 0 else replace(v, mb=m)
-                g.add_edge(uu, vv, **attrs)
+        k = self.microbatches
+        # each node's k copies, made once (an edge per microbatch reuses them)
+        copies = {n: [Node(n.kind, n.stage, m, n.replica, n.src, n.dst, n.grad)
+                      for m in range(k)] if n.mb >= 0 else [n] * k
+                  for n in dag.graph.nodes}
+        for m in range(k):
+            g.add_nodes_from(c[m] for n, c in copies.items() if n.mb >= 0)
+        g.add_edges_from((copies[u][m], copies[v][m], attrs)
+                         for u, v, attrs in dag.graph.edges(data=True) for m in range(k))
         return dag.with_graph(g, microbatches=self.microbatches)

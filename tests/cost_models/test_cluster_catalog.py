@@ -10,7 +10,7 @@ import pytest
 from cost_models import CATALOG, ClusterSpec, load_cluster, to_toml
 from piper.errors import PiperError
 
-GPUS = ("a100-40gb", "a100-80gb", "h100-80gb", "h200")
+GPUS = ("a100-40gb", "a100-80gb", "h100-80gb", "h100-96gb-500w", "h200")
 OPTIONAL = ("name", "device", "source", "memory_bandwidth")
 MINIMAL = "\n".join(line for line in to_toml(CATALOG["h100-80gb"]).splitlines()
                     if not line.startswith(OPTIONAL)) + "\n"

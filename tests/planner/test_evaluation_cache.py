@@ -86,3 +86,18 @@ def test_cache_keeps_the_most_recently_used_entries() -> None:
     assert cache.get("a") == 1
     cache.put("c", 3)  # evicts b, the least recently used
     assert (cache.get("b"), cache.get("a"), cache.get("c"), len(cache)) == (None, 1, 3, 2)
+
+
+def test_bucket_variants_share_a_schedule_and_price_their_own_cap() -> None:
+    spec = load_model_file(GPT, (("size", "tiny"),))
+    stages = [["embed", "layer.0", "layer.1"], ["layer.2", "layer.3", "head"]]
+    plain = schedules.build("1f1b", stages, microbatches=2, dp=2, zero=2)
+    bucketed = schedules.with_buckets(plain, 0.001)
+    shared = Evaluator(spec, 4, 8, CATALOG["h100-80gb"])
+    a, b = shared.evaluate(plain), shared.evaluate(bucketed)
+    assert b.plan.bucket_bytes == round(0.001 * 2**20) and a.plan.bucket_bytes == 0
+    assert b.plan.ranks is a.plan.ranks, "one schedule for both caps"
+    fresh = Evaluator(spec, 4, 8, CATALOG["h100-80gb"]).evaluate(bucketed)
+    assert b.prediction.step_time_s == fresh.prediction.step_time_s
+    assert b.prediction.peak_memory_bytes == fresh.prediction.peak_memory_bytes
+    assert b.prediction.step_time_s != a.prediction.step_time_s

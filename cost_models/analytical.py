@@ -47,6 +47,10 @@ class OpGroup:
     flops: int
     count: int
     low_precision: bool = False
+    work: float = 1.0
+    """Share of `flops` the kernel runs: a causal fused attention (flash, SDPA with
+    `is_causal`) skips the blocks above the diagonal, about half. FLOP counts keep the
+    whole figure (the convention MFU is reported in), durations use this share."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -145,7 +149,7 @@ class ModelCosts:
         for r in regions:
             for g in self.ops[self.regions.index(r)]:
                 if g.flops:
-                    f = g.flops * scale
+                    f = g.flops * g.work * scale
                     mm += g.count * f / cluster.matmul_rate(f, g.low_precision)
                 else:
                     other += g.count
@@ -183,7 +187,7 @@ def model_costs(captured: Captured) -> ModelCosts:
         batch=mg.batch,
         tokens_per_sample=_tokens_per_sample(captured),
         element_size=_element_size(captured),
-        ops=tuple(tuple(OpGroup(f, c, lp) for (f, lp), c in sorted(groups.items()))
+        ops=tuple(tuple(OpGroup(f, c, lp, w) for (f, lp, w), c in sorted(groups.items()))
                   for groups in counter.ops),
         param_tensors=tuple(len(r.params) for r in mg.regions),
         recompute_bytes=measured[1] if measured else (),
@@ -205,7 +209,7 @@ class _RegionCounter(fx.Interpreter):
         self.mode = FlopCounterMode(display=False)
         self.flops = [0] * regions
         self.saved = [0] * regions
-        self.ops: list[dict[tuple[int, bool], int]] = [{} for _ in range(regions)]
+        self.ops: list[dict[tuple[int, bool, float], int]] = [{} for _ in range(regions)]
 
     def run_node(self, n: fx.Node) -> object:
         if n.op != "call_function":
@@ -219,12 +223,29 @@ class _RegionCounter(fx.Interpreter):
         flops = self.mode.get_total_flops() - before
         self.flops[r] += flops
         if getattr(n.target, "_schema", None) is not None:  # an ATen op, not Python glue
-            key = (flops, _low_precision(out))
+            key = (flops, _low_precision(out), CAUSAL_WORK if _causal_attention(n) else 1.0)
             self.ops[r][key] = self.ops[r].get(key, 0) + 1
         if not _aliases(n):
             self.saved[r] += sum(t.numel() * t.element_size()
                                  for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor))
         return out
+
+
+CAUSAL_WORK = 0.5
+"""Share of a causal attention's counted FLOPs its fused kernel runs: the blocks above the
+diagonal are skipped, (s + 1) / 2s of the s x s scores, about half at training lengths."""
+
+
+def _causal_attention(n: fx.Node) -> bool:
+    """A fused scaled-dot-product attention with `is_causal` (any of ATen's SDPA ops)."""
+    if "scaled_dot_product" not in str(n.target):
+        return False
+    schema = getattr(n.target, "_schema", None)
+    names = [a.name for a in schema.arguments] if schema is not None else []
+    if "is_causal" not in names:
+        return False
+    i = names.index("is_causal")
+    return bool(n.kwargs.get("is_causal", n.args[i] if i < len(n.args) else False))
 
 
 def _low_precision(out: object) -> bool:

@@ -61,6 +61,9 @@ class Prediction:
     streams: tuple[StreamUsage, ...]
     """Per rank and logical stream, in plan order."""
     spans: tuple[Span, ...]
+    ranks: tuple[int, ...] = ()
+    """The logical ranks the per-rank tuples describe (a simulation view keeps one data-
+    parallel replica of each kind: `TrainingDAG.kept`)."""
 
     @property
     def max_memory_bytes(self) -> int:
@@ -95,6 +98,7 @@ def simulate(plan: Plan, costs: ModelCosts, cluster: ClusterSpec, microbatch_siz
         bubble_fraction=_bubble(busy, step),
         streams=streams,
         spans=spans,
+        ranks=tuple(rp.rank for rp in plan.ranks),
     )
 
 

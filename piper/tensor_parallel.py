@@ -97,7 +97,8 @@ class ColwiseRepLinear(nn.Linear):
 
 
 class VocabEmbedding(nn.Embedding):
-    """An Embedding holding rows `vocab_start:vocab_start + num_embeddings` of the whole."""
+    """An Embedding holding rows `vocab_start:vocab_start + num_embeddings` of the whole
+    (`vocab_start`: a 0-d buffer holding this rank's first row)."""
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         outside = (idx < self.vocab_start) | (idx >= self.vocab_start + self.num_embeddings)
@@ -152,7 +153,11 @@ def shard_linears(model: nn.Module, plan: Iterable[tuple[str, str]], degree: int
                 w, b = m.weight.chunk(degree, dim=1)[rank], m.bias
             if style == "vocab":
                 m.__class__ = VocabEmbedding
-                m.vocab_start = rank * w.shape[0]
+                # a buffer, not a Python int: a captured graph is shared by every rank of a
+                # stage, and feeds each its own buffers (a constant would be rank 0's)
+                m.register_buffer("vocab_start", torch.tensor(rank * w.shape[0],
+                                                              device=w.device),
+                                  persistent=False)
                 m.num_embeddings = w.shape[0]
             else:
                 m.__class__ = {"colwise": ColwiseLinear, "colwise_rep": ColwiseRepLinear,

@@ -306,23 +306,35 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         print(f"predicted: {predicted_line(pred)}")
         print(f"           step time {pred['step_time_s']!r} s, bubble "
               f"{result.prediction.bubble_fraction * 100:.1f}%")
-        print("\n".join(_usage_lines(result.prediction)))
+        print("\n".join(_usage_lines(result.prediction, _alike(result.plan, cluster))))
     return EXIT_OK
 
 
-def _usage_lines(pred: Any, most: int = 16) -> list[str]:
-    """Per rank: model math and idle time of the compute stream, and each stream's busy time."""
+def _usage_lines(pred: Any, alike: dict[int, int], most: int = 16) -> list[str]:
+    """Per simulated rank: model math and idle time of the compute stream, each stream's
+    busy time, and how many other replicas run alike (`alike`: rank -> count)."""
     unit, scale = ("ms", 1e3) if pred.step_time_s >= 1e-3 else ("µs", 1e6)
     lines = []
-    for r, (busy, idle) in enumerate(zip(pred.busy_s, pred.idle_s, strict=True)):
-        if r == most:
+    for i, (r, busy, idle) in enumerate(zip(pred.ranks, pred.busy_s, pred.idle_s,
+                                            strict=True)):
+        if i == most:
             lines.append(f"           ... {len(pred.busy_s) - most} more ranks (see --trace)")
             break
         streams = ", ".join(f"{u.stream} {u.busy_s * scale:.3f}" for u in pred.streams
                             if u.rank == r)
-        lines.append(f"           rank {r}: math {busy * scale:.3f} {unit}, idle "
+        more = alike.get(r, 0)
+        also = f" (and {more} replica{'s' if more > 1 else ''} alike)" if more else ""
+        lines.append(f"           rank {r}{also}: math {busy * scale:.3f} {unit}, idle "
                      f"{idle * scale:.3f} {unit}; busy streams: {streams} {unit}")
     return lines
+
+
+def _alike(plan: Any, cluster: Any) -> dict[int, int]:
+    """Logical rank of each simulated replica -> the other replicas it stands for."""
+    from planner.replicas import replica_kinds
+
+    kinds = replica_kinds(plan.mesh, cluster)
+    return {rp.rank: len(kinds.get(rp.replica, (rp.replica,))) - 1 for rp in plan.ranks}
 
 
 def cmd_search(args: argparse.Namespace) -> int:

@@ -21,16 +21,19 @@ from runtime.mesh import Mesh
 
 def representative_replicas(mesh: Mesh, cluster: ClusterSpec) -> tuple[int, ...]:
     """The first replica of each kind, in order (replica 0 always among them)."""
+    return tuple(replica_kinds(mesh, cluster))
+
+
+def replica_kinds(mesh: Mesh, cluster: ClusterSpec) -> dict[int, tuple[int, ...]]:
+    """First replica of each kind -> every replica of that kind (itself included)."""
     if cluster.cores_per_node is not None or mesh.dp == 1:
-        return tuple(range(mesh.dp))
-    seen: set[tuple] = set()
-    out = []
+        return {r: (r,) for r in range(mesh.dp)}
+    first: dict[tuple, int] = {}
+    out: dict[int, list[int]] = {}
     for r in range(mesh.dp):
-        sig = _signature(mesh, cluster, r)
-        if sig not in seen:
-            seen.add(sig)
-            out.append(r)
-    return tuple(out)
+        rep = first.setdefault(_signature(mesh, cluster, r), r)
+        out.setdefault(rep, []).append(r)
+    return {rep: tuple(rs) for rep, rs in out.items()}
 
 
 def _signature(mesh: Mesh, cluster: ClusterSpec, replica: int) -> tuple:

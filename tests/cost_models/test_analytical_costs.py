@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import pytest
+import torch
 
 import piper
 from cost_models import CATALOG, ClusterSpec, ModelCosts, model_costs, task_costs
-from cost_models.analytical import BACKWARD_FLOPS_RATIO, UPDATE_BYTES_PER_PARAM
+from cost_models.analytical import (
+    BACKWARD_FLOPS_RATIO,
+    CAUSAL_WORK,
+    UPDATE_BYTES_PER_PARAM,
+    _causal_attention,
+)
 from cost_models.comm import p2p_time, ring_all_reduce_time
 from piper.dag import Kind
 from piper.model_file import load_model_file
@@ -29,6 +36,31 @@ def test_layer_forward_flops_match_the_dense_transformer_formula(costs: ModelCos
     attention = 2 * (2 * b * t * t * d)  # q @ k^T and att @ v
     layer = costs.forward_flops[costs.regions.index("layer.1")]
     assert layer == pytest.approx(linears + attention, rel=0.01)
+
+
+def test_a_causal_fused_attention_is_timed_at_half_its_counted_flops(costs: ModelCosts
+                                                                     ) -> None:
+    b, t, d = costs.batch, SEQ, DIM
+    i = costs.regions.index("layer.1")
+    attention = [g for g in costs.ops[i] if g.work != 1.0]
+    assert [(g.flops, g.work) for g in attention] == [(2 * (2 * b * t * t * d), CAUSAL_WORK)]
+    flat = dataclasses.replace(CATALOG["h100-80gb"], matmul_half_flops=0.0, op_overhead_s=0.0)
+    whole = dataclasses.replace(costs, ops=tuple(
+        tuple(dataclasses.replace(g, work=1.0) for g in groups) for groups in costs.ops))
+    half, full = (c.chunk_seconds(["layer.1"], b, flat)[0] for c in (costs, whole))
+    rate = flat.matmul_rate(1.0)
+    assert full - half == pytest.approx(attention[0].flops * (1 - CAUSAL_WORK) / rate)
+
+
+def test_only_causal_attention_is_marked(tmp_path) -> None:
+    class Attend(torch.nn.Module):
+        def forward(self, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            f = torch.nn.functional.scaled_dot_product_attention
+            return f(q, q, q, is_causal=True), f(q, q, q)
+
+    ep = torch.export.export(Attend(), (torch.randn(1, 2, 8, 4),))
+    nodes = [n for n in ep.graph.nodes if "scaled_dot_product" in str(n.target)]
+    assert [_causal_attention(n) for n in nodes] == [True, False]
 
 
 def test_flops_and_saved_bytes_scale_linearly_with_batch(costs: ModelCosts) -> None:
@@ -68,7 +100,11 @@ def test_compute_durations_are_flops_over_effective_rate(
     flops = costs.forward_flops_of(plan.stage_regions[1], 4)
     assert flops == 2 * costs.forward_flops_of(plan.stage_regions[1], costs.batch)
     fwd = tc.duration(2, _task(plan, 2, Kind.FWD))
-    assert fwd == pytest.approx(flops / (c.flops * c.compute_efficiency))
+    # what the kernels run: a causal attention's counted FLOPs at its share
+    timed = sum(g.flops * g.work * g.count for r in plan.stage_regions[1]
+                for g in costs.ops[costs.regions.index(r)]) * 4 / costs.batch
+    assert timed < flops
+    assert fwd == pytest.approx(timed / (c.flops * c.compute_efficiency))
     assert tc.duration(2, _task(plan, 2, Kind.BWD)) == pytest.approx(BACKWARD_FLOPS_RATIO * fwd)
     params = costs.params_of(plan.stage_regions[1])
     assert tc.duration(2, _task(plan, 2, Kind.UPDATE)) == pytest.approx(

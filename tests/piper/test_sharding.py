@@ -102,7 +102,8 @@ def test_vocab_embedding_and_gathered_output_split_rows_and_keep_a_tie() -> None
         assert isinstance(m.tok, VocabEmbedding) and isinstance(m.out, ColwiseRepLinear)
         assert m.tok.weight is m.out.weight, "the tied slice stays one parameter"
         assert torch.equal(m.tok.weight, full.tok.weight[4 * rank:4 * rank + 4])
-        assert m.tok.vocab_start == 4 * rank and m.tok.num_embeddings == 4
+        assert int(m.tok.vocab_start) == 4 * rank and m.tok.num_embeddings == 4
+        assert "tok.vocab_start" not in m.state_dict(), "rank-local, never saved"
         assert len(list(m.parameters())) == 1
     untied = copy.deepcopy(full)
     with pytest.raises(ValueError, match="out.weight is tied to a tensor-parallel layer"):

@@ -8,8 +8,9 @@
    NCCL group's all-reduce.
 2. The device's bf16 matmul rate by size (the saturating curve the cost model uses:
    rate = peak x efficiency x f / (f + half)) and its copy bandwidth, against the catalog.
-3. `piper-plan profile` on the device -> OUT/cluster.toml (the fp32 figures), and the same
-   spec with the measured bf16 curve -> OUT/cluster_bf16.toml.
+3. `piper-plan profile` on the device -> OUT/cluster.toml (the fp32 figures, with the
+   measured copy bandwidth as `elementwise_bandwidth`), and the same spec with the measured
+   bf16 curve -> OUT/cluster_bf16.toml.
 4. Strategies of a ~124M-parameter GPT (GPT-2 small shapes) trained for real on the device
    (`piper-plan run --json`) and simulated on the profiled cluster (`piper-plan simulate
    --json`): step time and peak memory, measured vs predicted. Several processes cannot
@@ -181,7 +182,10 @@ def main() -> int:
     if rc != 0:
         print(f"profile failed (exit {rc}): {err}")
         return 1
-    spec = load_cluster(str(cluster))
+    # the measured copy bandwidth prices the ops without matmul math (norms, activations)
+    spec = dataclasses.replace(load_cluster(str(cluster)),
+                               elementwise_bandwidth=curve["copy_bandwidth"])
+    cluster.write_text(to_toml(spec))
     low = dataclasses.replace(spec, name=f"{spec.name}-bf16",
                               bf16_flops=curve["rate_max"] / spec.compute_efficiency)
     cluster_bf16 = args.out / "cluster_bf16.toml"

@@ -42,7 +42,8 @@ _LOW_PRECISION = (torch.bfloat16, torch.float16)
 @dataclass(frozen=True, slots=True)
 class OpGroup:
     """`count` ops of one region that cost alike: `flops` each at the capture batch (0: no
-    matmul math, so only the per-op overhead), in 16-bit floats or not."""
+    matmul math, so only the per-op overhead and the bytes it moves), in 16-bit floats or
+    not."""
 
     flops: int
     count: int
@@ -51,6 +52,10 @@ class OpGroup:
     """Share of `flops` the kernel runs: a causal fused attention (flash, SDPA with
     `is_causal`) skips the blocks above the diagonal, about half. FLOP counts keep the
     whole figure (the convention MFU is reported in), durations use this share."""
+    nbytes: int = 0
+    """An op without matmul math (a norm, an activation, a residual add, a cast): the bytes
+    it reads and writes at the capture batch. Such ops are bound by memory bandwidth on
+    GPUs (`ClusterSpec.elementwise_bandwidth`); views move none."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -139,13 +144,16 @@ class ModelCosts:
 
         A matmul of f FLOPs takes f / `cluster.matmul_rate(f)` forward and twice that
         backward (input and weight gradients: two matmuls of the same size); every other op
-        costs the cluster's per-op overhead. Without op records: FLOPs / effective rate.
+        costs the cluster's per-op overhead plus the bytes it moves over
+        `cluster.elementwise_bandwidth` (twice that backward: it reads the output's gradient
+        and what it saved, and writes the input's gradient). Without op records: FLOPs /
+        effective rate.
         """
         if not self._ops_match:
             fwd = self.forward_flops_of(regions, samples) / cluster.effective_flops
             return fwd, BACKWARD_FLOPS_RATIO * fwd
         scale = samples / self.batch
-        mm = other = 0.0
+        mm = other = moved = 0.0
         for r in regions:
             for g in self.ops[self.regions.index(r)]:
                 if g.flops:
@@ -153,8 +161,12 @@ class ModelCosts:
                     mm += g.count * f / cluster.matmul_rate(f, g.low_precision)
                 else:
                     other += g.count
-        return (mm + other * cluster.op_overhead_s,
-                BACKWARD_FLOPS_RATIO * mm + other * cluster.backward_op_overhead_s)
+                    moved += g.count * g.nbytes * scale
+        bw = cluster.elementwise_bandwidth
+        streamed = moved / bw if bw else 0.0
+        return (mm + other * cluster.op_overhead_s + streamed,
+                BACKWARD_FLOPS_RATIO * (mm + streamed)
+                + other * cluster.backward_op_overhead_s)
 
     def params_of(self, regions: Sequence[str]) -> int:
         return self._sum(self.params, regions)
@@ -187,7 +199,7 @@ def model_costs(captured: Captured) -> ModelCosts:
         batch=mg.batch,
         tokens_per_sample=_tokens_per_sample(captured),
         element_size=_element_size(captured),
-        ops=tuple(tuple(OpGroup(f, c, lp, w) for (f, lp, w), c in sorted(groups.items()))
+        ops=tuple(tuple(OpGroup(f, c, lp, w, b) for (f, lp, w, b), c in sorted(groups.items()))
                   for groups in counter.ops),
         param_tensors=tuple(len(r.params) for r in mg.regions),
         recompute_bytes=measured[1] if measured else (),
@@ -209,11 +221,12 @@ class _RegionCounter(fx.Interpreter):
         self.mode = FlopCounterMode(display=False)
         self.flops = [0] * regions
         self.saved = [0] * regions
-        self.ops: list[dict[tuple[int, bool, float], int]] = [{} for _ in range(regions)]
+        self.ops: list[dict[tuple[int, bool, float, int], int]] = [{} for _ in range(regions)]
 
     def run_node(self, n: fx.Node) -> object:
         if n.op != "call_function":
             return super().run_node(n)
+        args = [self.env[a] for a in n.all_input_nodes if a in self.env]
         before = self.mode.get_total_flops()
         try:
             out = super().run_node(n)
@@ -223,7 +236,8 @@ class _RegionCounter(fx.Interpreter):
         flops = self.mode.get_total_flops() - before
         self.flops[r] += flops
         if getattr(n.target, "_schema", None) is not None:  # an ATen op, not Python glue
-            key = (flops, _low_precision(out), CAUSAL_WORK if _causal_attention(n) else 1.0)
+            key = (flops, _low_precision(out), CAUSAL_WORK if _causal_attention(n) else 1.0,
+                   0 if flops else _moved_bytes(n, args, out))
             self.ops[r][key] = self.ops[r].get(key, 0) + 1
         if not _aliases(n):
             self.saved[r] += sum(t.numel() * t.element_size()
@@ -246,6 +260,27 @@ def _causal_attention(n: fx.Node) -> bool:
         return False
     i = names.index("is_causal")
     return bool(n.kwargs.get("is_causal", n.args[i] if i < len(n.args) else False))
+
+
+_GATHERS = ("aten::embedding", "aten::index_select", "aten::gather", "aten::index.")
+"""Ops that read only the rows they pick from their (large) input."""
+
+
+def _moved_bytes(n: fx.Node, args: list[object], out: object) -> int:
+    """Bytes a non-matmul ATen op reads and writes: its tensor inputs and outputs (a gather
+    reads what it writes; views and the in-graph collectives, priced as collectives, none)."""
+    name = str(n.target._schema.name) + "."  # type: ignore[union-attr]
+    if _aliases(n) or name.startswith("piper::"):
+        return 0
+
+    def size(x: object) -> int:
+        return sum(t.numel() * t.element_size() for t in pytree.tree_leaves(x)
+                   if isinstance(t, torch.Tensor))
+
+    written = size(out)
+    if name.startswith(_GATHERS):
+        return 2 * written
+    return size(args) + written
 
 
 def _low_precision(out: object) -> bool:
@@ -411,7 +446,8 @@ def with_precision(costs: ModelCosts, precision: str, reduce_dtype: str = "fp32"
                    ) -> ModelCosts:
     """Costs of training `costs`' (fp32-captured) model in `precision`, as `piper-plan run
     --precision` trains it: bf16-mixed runs every matmul at the bf16 rate and keeps bf16
-    activations (half the bytes saved for backward and sent between stages) while
+    activations (half the bytes saved for backward, sent between stages and streamed by
+    the ops without matmul math) while
     parameters, gradients and AdamW's state stay fp32; bf16 also holds the parameters,
     gradients and optimizer state in bf16. `reduce_dtype` bf16 halves the gradient
     collectives. Precision is priced per op group and per byte, so a what-if model without
@@ -419,7 +455,9 @@ def with_precision(costs: ModelCosts, precision: str, reduce_dtype: str = "fp32"
     if precision == "fp32" and reduce_dtype == "fp32":
         return costs
     low = precision != "fp32"
-    ops = tuple(tuple(replace(g, low_precision=True) if g.flops and low else g
+    # matmuls at the bf16 rate; the other ops stream bf16 activations (half the bytes)
+    ops = tuple(tuple(g if not low else replace(g, low_precision=True) if g.flops
+                      else replace(g, nbytes=g.nbytes // 2)
                       for g in groups) for groups in costs.ops)
     half = (lambda t: tuple(x // 2 for x in t)) if low else (lambda t: t)
     element = 2 if precision == "bf16" else costs.element_size

@@ -68,6 +68,10 @@ class ClusterSpec:
     inter_node_latency: float
     memory_bandwidth: float | None = None
     """Device memory bytes/s; prices the optimizer step. None: the step is not priced."""
+    elementwise_bandwidth: float | None = None
+    """Bytes/s ops without matmul math (norms, activations, residual adds, casts) stream
+    their inputs and outputs at: on GPUs they are bound by memory bandwidth. None: they
+    cost `op_overhead_s` alone (a profiled CPU spec folds their time into that)."""
     source: str = ""
     """Where the figures come from, so a reader can check them."""
     bf16_flops: float | None = None
@@ -121,7 +125,7 @@ class ClusterSpec:
         e = self.compute_efficiency
         if not _number(e) or not 0 < e <= 1:
             problems.append(f"compute_efficiency must be in (0, 1], got {e!r}")
-        for f in ("memory_bandwidth", "bf16_flops"):
+        for f in ("memory_bandwidth", "bf16_flops", "elementwise_bandwidth"):
             v = getattr(self, f)
             if v is not None and (not _number(v) or not v > 0):
                 problems.append(f"{f} must be a number > 0, got {v!r}")
@@ -175,7 +179,10 @@ def _number(v: object) -> bool:
 # vendor datasheet numbers; everything else is an assumption and is labelled as one. A
 # measured spec (`piper-plan profile`) is the way to replace assumptions with figures.
 _NVIDIA = "NVIDIA datasheet"
+ELEMENTWISE_SHARE = 0.8
+"""Share of the HBM bandwidth memory-bound kernels (norms, activations, adds) stream at."""
 _ASSUMED = ("assumed, not measured: compute_efficiency 0.5 (whole-model share of peak), "
+            "elementwise_bandwidth 0.8 of the HBM bandwidth (memory-bound kernels), "
             "latencies (typical NCCL small-message figures); profile to replace them")
 
 CATALOG: dict[str, ClusterSpec] = {
@@ -185,6 +192,7 @@ CATALOG: dict[str, ClusterSpec] = {
             memory_bytes=40 * GiB, flops=19.5e12, compute_efficiency=0.5,
             intra_node_bandwidth=300e9, intra_node_latency=5e-6,
             inter_node_bandwidth=25e9, inter_node_latency=1e-5, memory_bandwidth=1555e9,
+            elementwise_bandwidth=ELEMENTWISE_SHARE * 1555e9,
             bf16_flops=312e12,
             source=f"{_NVIDIA} A100 SXM (FP32 19.5 TF; TF32 dense 156 TF; BF16 dense 312 TF; "
                    "HBM2 1555 GB/s; NVLink3 600 GB/s bidirectional); DGX A100 datasheet: "
@@ -194,6 +202,7 @@ CATALOG: dict[str, ClusterSpec] = {
             memory_bytes=80 * GiB, flops=19.5e12, compute_efficiency=0.5,
             intra_node_bandwidth=300e9, intra_node_latency=5e-6,
             inter_node_bandwidth=25e9, inter_node_latency=1e-5, memory_bandwidth=2039e9,
+            elementwise_bandwidth=ELEMENTWISE_SHARE * 2039e9,
             bf16_flops=312e12,
             source=f"{_NVIDIA} A100 SXM (FP32 19.5 TF; TF32 dense 156 TF; BF16 dense 312 TF; "
                    "HBM2e 2039 GB/s; NVLink3 600 GB/s bidirectional); DGX A100 datasheet: "
@@ -203,6 +212,7 @@ CATALOG: dict[str, ClusterSpec] = {
             memory_bytes=80 * GiB, flops=67e12, compute_efficiency=0.5,
             intra_node_bandwidth=450e9, intra_node_latency=5e-6,
             inter_node_bandwidth=50e9, inter_node_latency=1e-5, memory_bandwidth=3.35e12,
+            elementwise_bandwidth=ELEMENTWISE_SHARE * 3.35e12,
             bf16_flops=989e12,
             source=f"{_NVIDIA} H100 SXM (FP32 67 TF; TF32 dense 495 TF; BF16 dense 989 TF; "
                    "HBM3 3.35 TB/s; NVLink4 900 GB/s bidirectional); DGX H100 datasheet: "
@@ -213,6 +223,7 @@ CATALOG: dict[str, ClusterSpec] = {
             memory_bytes=96 * GiB, flops=67e12, compute_efficiency=0.5,
             intra_node_bandwidth=450e9, intra_node_latency=5e-6,
             inter_node_bandwidth=50e9, inter_node_latency=1e-5, memory_bandwidth=3.35e12,
+            elementwise_bandwidth=ELEMENTWISE_SHARE * 3.35e12,
             bf16_flops=989e12,
             source="torchtitan benchmarks/llama3_h100_202412_torchtitan.md (Grand Teton, 8 H100 "
                    "per host on NVLink, 96 GB HBM2e, 500 W power limit, 400 Gb/s RDMA per GPU; "
@@ -226,6 +237,7 @@ CATALOG: dict[str, ClusterSpec] = {
             memory_bytes=140 * GiB, flops=67e12, compute_efficiency=0.5,
             intra_node_bandwidth=450e9, intra_node_latency=5e-6,
             inter_node_bandwidth=50e9, inter_node_latency=1e-5, memory_bandwidth=4.8e12,
+            elementwise_bandwidth=ELEMENTWISE_SHARE * 4.8e12,
             bf16_flops=989e12,
             source=f"{_NVIDIA} H200 SXM (FP32 67 TF; TF32 dense 495 TF; BF16 dense 989 TF; "
                    "HBM3e 4.8 TB/s; NVLink4 900 GB/s bidirectional); DGX H200 datasheet: "

@@ -44,12 +44,28 @@ def test_a_causal_fused_attention_is_timed_at_half_its_counted_flops(costs: Mode
     i = costs.regions.index("layer.1")
     attention = [g for g in costs.ops[i] if g.work != 1.0]
     assert [(g.flops, g.work) for g in attention] == [(2 * (2 * b * t * t * d), CAUSAL_WORK)]
-    flat = dataclasses.replace(CATALOG["h100-80gb"], matmul_half_flops=0.0, op_overhead_s=0.0)
+    flat = dataclasses.replace(CATALOG["h100-80gb"], matmul_half_flops=0.0, op_overhead_s=0.0,
+                               elementwise_bandwidth=None)
     whole = dataclasses.replace(costs, ops=tuple(
         tuple(dataclasses.replace(g, work=1.0) for g in groups) for groups in costs.ops))
     half, full = (c.chunk_seconds(["layer.1"], b, flat)[0] for c in (costs, whole))
     rate = flat.matmul_rate(1.0)
     assert full - half == pytest.approx(attention[0].flops * (1 - CAUSAL_WORK) / rate)
+
+
+def test_ops_without_matmul_math_move_their_inputs_and_outputs(costs: ModelCosts) -> None:
+    b, t, d = costs.batch, SEQ, DIM
+    moved = sorted(g.nbytes for g in costs.ops[costs.regions.index("layer.1")]
+                   if not g.flops and g.nbytes)
+    act = b * t * d * 4  # one fp32 activation of the residual stream
+    def near(n: int) -> bool:  # plus a norm's weights and statistics, a few hundred bytes
+        return any(n <= m <= n + 1024 for m in moved)
+
+    assert near(act * 2)  # a layer norm: reads x, writes y
+    assert act * 3 in moved  # a residual add: reads two, writes one
+    assert act * 8 in moved  # gelu on the 4d-wide MLP: reads and writes 4 x act
+    embed = [g.nbytes for g in costs.ops[costs.regions.index("embed")] if g.nbytes]
+    assert max(embed) <= 3 * act, "a lookup reads the rows it picks, not the whole table"
 
 
 def test_only_causal_attention_is_marked(tmp_path) -> None:
@@ -104,7 +120,12 @@ def test_compute_durations_are_flops_over_effective_rate(
     timed = sum(g.flops * g.work * g.count for r in plan.stage_regions[1]
                 for g in costs.ops[costs.regions.index(r)]) * 4 / costs.batch
     assert timed < flops
-    assert fwd == pytest.approx(timed / (c.flops * c.compute_efficiency))
+    # and the ops without matmul math stream their bytes at the elementwise bandwidth
+    moved = sum(g.nbytes * g.count for r in plan.stage_regions[1]
+                for g in costs.ops[costs.regions.index(r)] if not g.flops) * 4 / costs.batch
+    assert moved > 0
+    assert fwd == pytest.approx(timed / (c.flops * c.compute_efficiency)
+                                + moved / c.elementwise_bandwidth)
     assert tc.duration(2, _task(plan, 2, Kind.BWD)) == pytest.approx(BACKWARD_FLOPS_RATIO * fwd)
     params = costs.params_of(plan.stage_regions[1])
     assert tc.duration(2, _task(plan, 2, Kind.UPDATE)) == pytest.approx(

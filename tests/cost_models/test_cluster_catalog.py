@@ -124,6 +124,7 @@ def test_a_malformed_alpha_beta_table_names_the_field(line: str, tmp_path: Path)
 
 
 @pytest.mark.parametrize("field", ["cores_per_node", "op_overhead_s", "bf16_flops",
+                                   "elementwise_bandwidth",
                                    "comm_compute_contention"])
 def test_negative_measured_figures_are_refused(field: str) -> None:
     with pytest.raises(PiperError, match=field):

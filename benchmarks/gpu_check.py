@@ -6,11 +6,12 @@
 1. CUDA paths the runtime relies on, each checked in this process: bf16 matmuls against
    fp32, a side stream ordered by an event, `torch.cuda.max_memory_allocated`, a one-rank
    NCCL group's all-reduce.
-2. The device's bf16 matmul rate by size (the saturating curve the cost model uses:
-   rate = peak x efficiency x f / (f + half)) and its copy bandwidth, against the catalog.
-3. `piper-plan profile` on the device -> OUT/cluster.toml (the fp32 figures, with the
-   measured copy bandwidth as `elementwise_bandwidth`), and the same spec with the measured
-   bf16 curve -> OUT/cluster_bf16.toml.
+2. The device's bf16 and fp32 matmul rates by size (the saturating curve the cost model
+   uses: rate = peak x efficiency x f / (f + half)), its copy bandwidth and the fixed cost
+   of a small op, against the catalog's assumptions.
+3. One cluster file per precision (OUT/cluster_bf16.toml, OUT/cluster_fp32.toml): the
+   catalog entry's links (one GPU has no peer to time them with) with these measured
+   compute, memory and per-op figures (`piper-plan profile` needs two ranks).
 4. Strategies of a ~124M-parameter GPT (GPT-2 small shapes) trained for real on the device
    (`piper-plan run --json`) and simulated on the profiled cluster (`piper-plan simulate
    --json`): step time and peak memory, measured vs predicted. Several processes cannot
@@ -102,10 +103,10 @@ def _timed(fn, device: str, reps: int) -> float:
     return (time.perf_counter() - t) / reps
 
 
-def matmul_curve(device: str, quick: bool) -> dict:
-    """bf16 matmul rate by FLOPs, fitted to peak x efficiency x f / (f + half)."""
+def matmul_curve(device: str, dtype: torch.dtype, quick: bool) -> dict:
+    """Matmul rate by FLOPs in `dtype`, fitted to top x f / (f + half) (the cost model's
+    saturating curve: a fixed cost per matmul plus its FLOPs at the top rate)."""
     dev = torch.device(device)
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
     shapes = [(256, 256, 256), (1024, 1024, 1024), (2048, 2048, 2048), (4096, 4096, 4096),
               (8192, 8192, 8192), (4096, 768, 3072), (8192, 4096, 1024), (2048, 12288, 3072)]
     if quick:
@@ -118,13 +119,23 @@ def matmul_curve(device: str, quick: bool) -> dict:
         points.append((2.0 * m * k * n, 2.0 * m * k * n / s))
     f = [p[0] for p in points]
     r = [p[1] for p in points]
-    (rmax, half), _ = curve_fit(lambda x, top, h: top * x / (x + h), f, r,
-                                p0=(max(r), min(f)), bounds=([0, 0], [10 * max(r), 1e15]))
-    x = torch.empty(256 * 2**20 if not quick else 2**24, dtype=torch.uint8, device=dev)
+    (top, half), _ = curve_fit(lambda x, t, h: t * x / (x + h), f, r, p0=(max(r), min(f)),
+                               bounds=([0, 0], [10 * max(r), 1e15]))
+    return {"points": points, "rate_max": float(top), "half_flops": float(half)}
+
+
+def memory_and_overheads(device: str, quick: bool) -> dict:
+    """Copy bandwidth (what memory-bound ops stream at) and the fixed cost of one small op
+    forward and forward + backward (launch and dispatch)."""
+    dev = torch.device(device)
+    x = torch.empty(2**24 if quick else 256 * 2**20, dtype=torch.uint8, device=dev)
     y = torch.empty_like(x)
     copy_s = _timed(lambda: y.copy_(x), device, 3 if quick else 10)
-    return {"points": points, "rate_max": float(rmax), "half_flops": float(half),
-            "copy_bandwidth": 2 * x.numel() / copy_s}
+    tiny = torch.ones(8, device=dev, requires_grad=True)
+    fwd = _timed(lambda: tiny * 2, device, 50 if quick else 500)
+    both = _timed(lambda: (tiny * 2).sum().backward(), device, 50 if quick else 500)
+    return {"copy_bandwidth": 2 * x.numel() / copy_s, "op_s": fwd,
+            "backward_op_s": max(0.0, both - 2 * fwd)}
 
 
 def catalog_name(device: str) -> str:
@@ -166,33 +177,42 @@ def main() -> int:
     start = time.perf_counter()
     report: dict = {"paths": cuda_paths(args.device)}
     print("CUDA paths:", json.dumps(report["paths"]))
-    curve = matmul_curve(args.device, quick)
-    report["matmul"] = curve
+    low = matmul_curve(args.device, torch.bfloat16 if args.device == "cuda"
+                       else torch.float32, quick)
+    full = matmul_curve(args.device, torch.float32, quick)
+    mem = memory_and_overheads(args.device, quick)
+    report |= {"matmul_bf16": low, "matmul_fp32": full, "memory": mem}
     base = load_cluster(catalog_name(args.device))
-    peak = base.peak_flops(args.device == "cuda")
-    print(f"matmul: up to {curve['rate_max'] / 1e12:.1f} TFLOP/s = "
-          f"{curve['rate_max'] / peak:.2f} of the catalog's {peak / 1e12:.0f} TF peak "
-          f"(catalog assumes {base.compute_efficiency}); half rate at "
-          f"{curve['half_flops']:.3g} FLOPs; copy {curve['copy_bandwidth'] / 1e9:.0f} GB/s")
+    for name, curve, peak in (("bf16", low, base.peak_flops(True)),
+                              ("fp32", full, base.peak_flops(False))):
+        print(f"{name} matmul: up to {curve['rate_max'] / 1e12:.3g} TFLOP/s = "
+              f"{curve['rate_max'] / peak:.2f} of the catalog's {peak / 1e12:.3g} TF "
+              f"(the catalog assumes {base.compute_efficiency}); half rate at "
+              f"{curve['half_flops']:.3g} FLOPs")
+    print(f"copy {mem['copy_bandwidth'] / 1e9:.0f} GB/s (catalog elementwise: "
+          f"{(base.elementwise_bandwidth or 0) / 1e9:.0f}); one small op {mem['op_s'] * 1e6:.1f} "
+          f"us forward, {mem['backward_op_s'] * 1e6:.1f} us backward")
+    # one cluster file per precision: the catalog's links (one GPU: no peers to time them
+    # with) and this device's measured compute, memory and per-op figures
+    measured = dict(elementwise_bandwidth=mem["copy_bandwidth"],  # noqa: C408
+                    op_overhead_s=mem["op_s"], backward_op_overhead_s=mem["backward_op_s"],
+                    source=f"benchmarks/gpu_check.py on {report['paths'].get('name', args.device)}"
+                           ": measured compute, copy bandwidth and op overheads; links "
+                           f"from the catalog's {base.name}")
     model = [a for kv in SIZES[args.size] for a in ("--model-arg", kv)]
     common = [GPT, *model, "--batch-size", str(args.batch_size)]
-    cluster = args.out / "cluster.toml"
-    rc, _, err = piper("profile", *common, "--gpus", "1", "--device", args.device,
-                       "--out", str(cluster), timeout=240)
-    if rc != 0:
-        print(f"profile failed (exit {rc}): {err}")
-        return 1
-    # the measured copy bandwidth prices the ops without matmul math (norms, activations)
-    spec = dataclasses.replace(load_cluster(str(cluster)),
-                               elementwise_bandwidth=curve["copy_bandwidth"])
-    cluster.write_text(to_toml(spec))
-    low = dataclasses.replace(spec, name=f"{spec.name}-bf16",
-                              bf16_flops=curve["rate_max"] / spec.compute_efficiency)
-    cluster_bf16 = args.out / "cluster_bf16.toml"
-    cluster_bf16.write_text(to_toml(low))
+    clusters = {}
+    for name, curve, peak in (("bf16", low, base.peak_flops(True)),
+                              ("fp32", full, base.peak_flops(False))):
+        spec = dataclasses.replace(
+            base, name=f"measured-{name}", **measured,
+            compute_efficiency=min(1.0, curve["rate_max"] / peak),
+            matmul_half_flops=curve["half_flops"])
+        clusters[name] = args.out / f"cluster_{name}.toml"
+        clusters[name].write_text(to_toml(spec))
     rows = []
     for label, precision, flags, gpus in STRATEGIES:
-        which = cluster_bf16 if precision != "fp32" else cluster
+        which = clusters["fp32" if precision == "fp32" else "bf16"]
         strat = [*common, "--gpus", str(gpus), "--precision", precision, *flags]
         rc_s, sim, err_s = piper("simulate", *strat, "--cluster", str(which), "--json")
         rc_r, run, err_r = piper("run", *strat, "--device", args.device, "--steps",
@@ -200,10 +220,10 @@ def main() -> int:
         row = {"strategy": label, "gpus": gpus}
         if rc_r == 0 and run and rc_s == 0 and sim:
             times = [s["time_s"] for s in run["steps"][1:]] or [run["steps"][0]["time_s"]]
-            measured = statistics.median(times)
+            took = statistics.median(times)
             predicted = sim["predicted"]["step_time_s"]
-            row |= {"measured_s": measured, "predicted_s": predicted,
-                    "error": predicted / measured - 1,
+            row |= {"measured_s": took, "predicted_s": predicted,
+                    "error": predicted / took - 1,
                     "measured_peak": max(run["peak_memory_bytes"]),
                     "predicted_peak": max(sim["predicted"]["peak_memory_bytes"])}
         else:

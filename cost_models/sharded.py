@@ -28,6 +28,10 @@ class InGraphComm:
     all_to_all: tuple[tuple[int, ...], ...]  # each runs once forward and once backward
     forward_all_gather: tuple[tuple[int, ...], ...] = ()
     """Gathered output bytes (a vocabulary-parallel output layer); backward keeps a slice."""
+    sequence_scatter: tuple[tuple[int, ...], ...] = ()
+    """Sequence parallelism: whole tensors reduce-scattered forward, gathered backward."""
+    sequence_gather: tuple[tuple[int, ...], ...] = ()
+    """Sequence parallelism: gathered tensors forward, reduce-scattered backward."""
 
     def in_precision(self, costs: ModelCosts) -> InGraphComm:
         """These collectives' bytes when training in `costs.precision`: bf16 training
@@ -39,7 +43,8 @@ class InGraphComm:
             return tuple(tuple(b * costs.wire_element_size // 4 for b in r) for r in t)
 
         return InGraphComm(scaled(self.forward_all_reduce), scaled(self.backward_all_reduce),
-                           scaled(self.all_to_all), scaled(self.forward_all_gather))
+                           scaled(self.all_to_all), scaled(self.forward_all_gather),
+                           scaled(self.sequence_scatter), scaled(self.sequence_gather))
 
 
 def in_graph_comm(captured: Captured) -> InGraphComm:
@@ -48,15 +53,22 @@ def in_graph_comm(captured: Captured) -> InGraphComm:
     bwd: list[list[int]] = [[] for _ in range(n)]
     a2a: list[list[int]] = [[] for _ in range(n)]
     gather: list[list[int]] = [[] for _ in range(n)]
-    into = {"tp_reduce": fwd, "tp_copy": bwd, "all_to_all": a2a, "tp_gather": gather}
+    scatter: list[list[int]] = [[] for _ in range(n)]
+    sp_gathers: list[list[int]] = [[] for _ in range(n)]
+    into = {"tp_reduce": fwd, "tp_copy": bwd, "all_to_all": a2a, "tp_gather": gather,
+            "sp_scatter": scatter, "sp_gather": sp_gathers}
     for node in captured.program.graph.nodes:
         op = getattr(node.target, "_schema", None)
         if node.op != "call_function" or op is None or not op.name.startswith("piper::"):
             continue
+        name = op.name.removeprefix("piper::")
         val = node.meta["val"]
-        into[op.name.removeprefix("piper::")][captured.node_region[node.name]].append(
-            val.numel() * val.element_size())
-    return InGraphComm(*(tuple(tuple(r) for r in lists) for lists in (fwd, bwd, a2a, gather)))
+        if name == "sp_scatter":  # the whole (unscattered) tensor is what the ring moves
+            val = node.args[0].meta["val"]
+        into[name][captured.node_region[node.name]].append(val.numel() * val.element_size())
+    # sequence parallelism: a gather forward is a reduce-scatter backward and vice versa
+    return InGraphComm(*(tuple(tuple(r) for r in lists)
+                         for lists in (fwd, bwd, a2a, gather, scatter, sp_gathers)))
 
 
 def all_to_all_time(nbytes: float, group: tuple[int, ...], cluster: ClusterSpec) -> float:
@@ -83,19 +95,27 @@ def with_in_graph_comm(tc: TaskCosts, plan: Plan, traffic: InGraphComm, cluster:
         if kind == "ag":
             return sum(comm.collective_time(comm.ALL_GATHER, b, tp_group, cluster)
                        for b in sizes)
+        if kind == "rs":
+            return sum(comm.collective_time(comm.REDUCE_SCATTER, b, tp_group, cluster)
+                       for b in sizes)
         return sum(comm.collective_time(comm.ALL_REDUCE, b, tp_group, cluster) for b in sizes)
 
     fwd, bwd, again = [], [], []
     for s, regions in enumerate(plan.stage_regions):
         a2a = seconds(traffic.all_to_all, regions, "a2a")
         forward = seconds(traffic.forward_all_reduce, regions, "ar") + a2a
+        backward = seconds(traffic.backward_all_reduce, regions, "ar") + a2a
         if traffic.forward_all_gather:
             forward += seconds(traffic.forward_all_gather, regions, "ag")
+        if traffic.sequence_scatter or traffic.sequence_gather:
+            forward += (seconds(traffic.sequence_scatter, regions, "rs")
+                        + seconds(traffic.sequence_gather, regions, "ag"))
+            backward += (seconds(traffic.sequence_scatter, regions, "ag")
+                         + seconds(traffic.sequence_gather, regions, "rs"))
         # a recompute re-runs the forward's collectives inside the backward
         rebuilt = forward if s in plan.recompute else 0.0
         fwd.append(tc.forward_s[s] + forward)
-        bwd.append(tc.backward_s[s] + seconds(traffic.backward_all_reduce, regions, "ar") + a2a
-                   + rebuilt)
+        bwd.append(tc.backward_s[s] + backward + rebuilt)
         again.append((tc.recompute_s[s] if tc.recompute_s else 0.0) + rebuilt)
     return replace(tc, forward_s=tuple(fwd), backward_s=tuple(bwd),
                    recompute_s=tuple(again) if any(again) else ())

@@ -62,9 +62,9 @@ class Block(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Written for tensor parallelism: q|k|v split with chunk and heads inferred (-1), so
         # the same code runs on a rank holding only its share of the heads (see TP_PLAN).
-        b, t, d = x.shape
-        hd = d // self.heads
+        hd = x.shape[-1] // self.heads
         q, k, v = self.qkv(self.ln1(x)).chunk(3, dim=-1)
+        b, t = q.shape[:2]
         q, k, v = (z.view(b, t, -1, hd).transpose(1, 2) for z in (q, k, v))
         # fused causal attention (flash on GPUs): no t x t score matrix kept for backward
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)

@@ -13,7 +13,9 @@ and `405b` (Llama 3.1 shapes: 128K vocabulary, 8K context). Any config field can
 overridden: `--model-arg size=405b --model-arg seq=4096`. `--model-arg dtype=bfloat16`
 builds the model in bf16 (planning; the CPU runtime trains in the dtype it is given).
 Written for tensor parallelism (`TP_PLAN`: heads and the MLP's hidden units split; reshapes
-use -1 for the local heads).
+use -1 for the local heads) and sequence parallelism (`--sp`: every op between the split
+layers works token by token, and attention reads the sequence length after the gathering
+projections).
 """
 
 from __future__ import annotations
@@ -102,13 +104,16 @@ class Block(nn.Module):
         self.k_norm = nn.RMSNorm(hd) if c.qk_norm else nn.Identity()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, _ = x.shape
         c = self.c
         hd = c.dim // c.heads
         h = self.attn_norm(x)
-        q = rotate(self.q_norm(self.wq(h).view(b, t, -1, hd)).transpose(1, 2), c.rope_theta)
-        k = rotate(self.k_norm(self.wk(h).view(b, t, -1, hd)).transpose(1, 2), c.rope_theta)
-        v = self.wv(h).view(b, t, -1, hd).transpose(1, 2)
+        q, k, v = self.wq(h), self.wk(h), self.wv(h)
+        # the sequence from q, not x: with sequence parallelism x holds 1/tp of it and the
+        # column-parallel projections gather it whole
+        b, t = q.shape[:2]
+        q = rotate(self.q_norm(q.view(b, t, -1, hd)).transpose(1, 2), c.rope_theta)
+        k = rotate(self.k_norm(k.view(b, t, -1, hd)).transpose(1, 2), c.rope_theta)
+        v = v.view(b, t, -1, hd).transpose(1, 2)
         # fused attention (flash on GPUs): no t x t score matrix is kept for backward;
         # enable_gqa lets each key/value head serve heads/kv_heads query heads
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)

@@ -152,6 +152,61 @@ def _own_slice(ctx: Any, g: torch.Tensor) -> tuple:
 
 tp_gather.register_autograd(_own_slice, setup_context=_keep_gather)
 
+# ---- sequence parallelism (Megatron): activations between tensor-parallel blocks hold 1/t of
+# the sequence (dim 1). Entering a column-parallel layer gathers it (backward: reduce-scatter
+# of the gradient); leaving a row-parallel one reduce-scatters the partial sums (backward:
+# gather). Both move dim 1 to the front, where the flat collectives split.
+def _seq_gather(x: torch.Tensor, key: int, degree: int) -> torch.Tensor:
+    src = _on_wire(x.transpose(0, 1))  # [s/t, b, ...], contiguous
+    out = src.new_empty((src.shape[0] * degree, *src.shape[1:]))
+    g = _group(key)
+    with lanes.waiting():
+        dist.all_gather_single(out, src, group=g)
+    return out.transpose(0, 1).to(x.dtype)
+
+
+def _seq_scatter(x: torch.Tensor, key: int, degree: int) -> torch.Tensor:
+    src = _on_wire(x.transpose(0, 1))  # [s, b, ...], contiguous
+    out = src.new_empty((src.shape[0] // degree, *src.shape[1:]))
+    g = _group(key)
+    with lanes.waiting():
+        dist.reduce_scatter_single(out, src, group=g)
+    return out.transpose(0, 1).to(x.dtype)
+
+
+def _keep_degree(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
+    ctx.group, ctx.degree = inputs[1], inputs[2]
+
+
+@torch.library.custom_op("piper::sp_gather", mutates_args=())
+def sp_gather(x: torch.Tensor, group: int, degree: int) -> torch.Tensor:
+    return _seq_gather(x, group, degree)
+
+
+@sp_gather.register_fake
+def _(x: torch.Tensor, group: int, degree: int) -> torch.Tensor:
+    return x.new_empty((x.shape[0], x.shape[1] * degree, *x.shape[2:]))
+
+
+sp_gather.register_autograd(
+    lambda ctx, g: (_seq_scatter(g, ctx.group, ctx.degree), None, None),
+    setup_context=_keep_degree)
+
+
+@torch.library.custom_op("piper::sp_scatter", mutates_args=())
+def sp_scatter(x: torch.Tensor, group: int, degree: int) -> torch.Tensor:
+    return _seq_scatter(x, group, degree)
+
+
+@sp_scatter.register_fake
+def _(x: torch.Tensor, group: int, degree: int) -> torch.Tensor:
+    return x.new_empty((x.shape[0], x.shape[1] // degree, *x.shape[2:]))
+
+
+sp_scatter.register_autograd(
+    lambda ctx, g: (_seq_gather(g, ctx.group, ctx.degree), None, None),
+    setup_context=_keep_degree)
+
 IN_GRAPH_OPS = {"tp_copy": TP_GROUP, "tp_reduce": TP_GROUP, "tp_gather": TP_GROUP,
-                "all_to_all": EP_GROUP}
+                "sp_gather": TP_GROUP, "sp_scatter": TP_GROUP, "all_to_all": EP_GROUP}
 """Op name -> the group it runs over (cost models price these nodes as collectives)."""

@@ -90,6 +90,8 @@ class Program:
             "dp": rep[0].degree if rep else 1,
             "pp": pp,
             "tp": next((d.degree for d in self.directives if isinstance(d, ShardTensor)), 1),
+            "sp": any(isinstance(d, ShardTensor) and d.sequence_parallel
+                      for d in self.directives),
             "ep": next((d.degree for d in self.directives if isinstance(d, Shard)), 1),
             "zero": rep[0].zero if rep else 0,
             "schedule": self.name,

@@ -263,12 +263,12 @@ def build(schedule: str, stages: Sequence[Sequence[str]], *, microbatches: int,
 
 
 def shard(program: Program, *, tp: int = 1, ep: int = 1,
-          expert_regions: Sequence[str] = ()) -> Program:
-    """`program` with tensor (ShardTensor) and expert (Shard) parallelism added, in the
-    phase they belong to (after Replicate, before Order)."""
+          expert_regions: Sequence[str] = (), sp: bool = False) -> Program:
+    """`program` with tensor (ShardTensor, with `sp` sequence parallel) and expert (Shard)
+    parallelism added, in the phase they belong to (after Replicate, before Order)."""
     extra: list[Directive] = []
     if tp > 1:
-        extra.append(ShardTensor(tp))
+        extra.append(ShardTensor(tp, sequence_parallel=sp))
     if ep > 1:
         extra.append(Shard(tuple(expert_regions), degree=ep))
     return _insert(program, extra)

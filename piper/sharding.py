@@ -22,15 +22,18 @@ class ModelSharding:
     tp_plan: tuple[tuple[str, str], ...] = ()  # (module glob, style)
     ep: int = 1
     experts: tuple[str, ...] = ()  # names of the `Experts` modules EP splits
+    sp: bool = False
+    """Sequence parallelism (Megatron): between tensor-parallel blocks each rank holds 1/tp of
+    the sequence; gathers and reduce-scatters replace the f/g all-reduces."""
 
     @property
     def trivial(self) -> bool:
         return self.tp == 1 and self.ep == 1
 
     def describe(self) -> str:
-        return f"tp={self.tp} ep={self.ep}"
+        return f"tp={self.tp}{' sp' if self.sp else ''} ep={self.ep}"
 
     def apply(self, model: nn.Module, tp_rank: int, ep_rank: int) -> nn.Module:
-        shard_linears(model, self.tp_plan, self.tp, tp_rank)
+        shard_linears(model, self.tp_plan, self.tp, tp_rank, self.sp)
         shard_experts(model, self.experts, self.ep, ep_rank)
         return model

@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from piper.collectives import TP_GROUP, tp_copy, tp_gather, tp_reduce
+from piper.collectives import TP_GROUP, sp_gather, sp_scatter, tp_copy, tp_gather, tp_reduce
 
 STYLES = ("colwise", "rowwise", "colwise_rep", "vocab", "replicate")
 ROW_SPLIT = ("colwise", "colwise_rep", "vocab")
@@ -81,18 +81,34 @@ def check_divisible(weight_shape: tuple[int, ...], style: str, parts: int, degre
     return None
 
 
+def _enter(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """Into a column-parallel layer: f, or with sequence parallelism the gather of the
+    sequence (dim 1) whose gradient is reduce-scattered back."""
+    if m.sequence_parallel:
+        return sp_gather(x, TP_GROUP, m.tp_degree)
+    return tp_copy(x, TP_GROUP)
+
+
+def _leave(m: nn.Module, y: torch.Tensor) -> torch.Tensor:
+    """Out of a row-parallel layer: g, or with sequence parallelism the reduce-scatter of
+    the partial sums over the sequence (each rank keeps 1/t of the tokens)."""
+    if m.sequence_parallel:
+        return sp_scatter(y, TP_GROUP, m.tp_degree)
+    return tp_reduce(y, TP_GROUP)
+
+
 class ColwiseLinear(nn.Linear):
     """A Linear holding this rank's rows; forward enters through f."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(tp_copy(x, TP_GROUP), self.weight, self.bias)
+        return F.linear(_enter(self, x), self.weight, self.bias)
 
 
 class ColwiseRepLinear(nn.Linear):
     """A column-parallel Linear whose output is gathered whole (last dim) on every rank."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(tp_copy(x, TP_GROUP), self.weight, self.bias)
+        y = F.linear(_enter(self, x), self.weight, self.bias)
         return tp_gather(y, TP_GROUP, self.tp_degree)
 
 
@@ -105,15 +121,18 @@ class VocabEmbedding(nn.Embedding):
         local = (idx - self.vocab_start).masked_fill(outside, 0)
         y = F.embedding(local, self.weight, self.padding_idx, self.max_norm, self.norm_type,
                         self.scale_grad_by_freq, self.sparse)
-        return tp_reduce(y.masked_fill(outside.unsqueeze(-1), 0.0), TP_GROUP)
+        return _leave(self, y.masked_fill(outside.unsqueeze(-1), 0.0))
 
 
 class RowwiseLinear(nn.Linear):
     """A Linear holding this rank's input columns; forward leaves through g, then bias."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = tp_reduce(F.linear(x, self.weight), TP_GROUP)
-        return y if self.bias is None else y + self.bias
+        y = _leave(self, F.linear(x, self.weight))
+        if self.bias is None:
+            return y
+        # with sequence parallelism the bias meets 1/t of the tokens: sum its gradient
+        return y + (tp_copy(self.bias, TP_GROUP) if self.sequence_parallel else self.bias)
 
 
 def _rows(t: torch.Tensor, parts: int, degree: int, rank: int) -> torch.Tensor:
@@ -123,7 +142,7 @@ def _rows(t: torch.Tensor, parts: int, degree: int, rank: int) -> torch.Tensor:
 
 
 def shard_linears(model: nn.Module, plan: Iterable[tuple[str, str]], degree: int,
-                  rank: int) -> None:
+                  rank: int, sequence_parallel: bool = False) -> None:
     """Replace the planned Linears' parameters by rank `rank`'s shards, in place.
 
     Works on meta (capture) and real tensors (workers); names of modules and parameters
@@ -151,6 +170,7 @@ def shard_linears(model: nn.Module, plan: Iterable[tuple[str, str]], degree: int
                                                                          rank)
             else:
                 w, b = m.weight.chunk(degree, dim=1)[rank], m.bias
+            m.tp_degree, m.sequence_parallel = degree, sequence_parallel
             if style == "vocab":
                 m.__class__ = VocabEmbedding
                 # a buffer, not a Python int: a captured graph is shared by every rank of a
@@ -162,7 +182,6 @@ def shard_linears(model: nn.Module, plan: Iterable[tuple[str, str]], degree: int
             else:
                 m.__class__ = {"colwise": ColwiseLinear, "colwise_rep": ColwiseRepLinear,
                                "rowwise": RowwiseLinear}[style]
-                m.tp_degree = degree
                 m.out_features, m.in_features = w.shape
             if id(old) in sliced and style in ROW_SPLIT:
                 m.weight = sliced[id(old)][1]
@@ -176,6 +195,7 @@ def shard_linears(model: nn.Module, plan: Iterable[tuple[str, str]], degree: int
             if id(p) in sliced and p is sliced[id(p)][0]:
                 raise ValueError(f"{name}.{leaf} is tied to a tensor-parallel layer's weight; "
                                  "split every layer using it by rows (vocab, colwise_rep)")
+    replicated: set[str] = set()
     for pattern, style in plan:
         if parse_style(style)[0] != "replicate":
             continue
@@ -184,6 +204,15 @@ def shard_linears(model: nn.Module, plan: Iterable[tuple[str, str]], degree: int
             raise ValueError(f"tensor-parallel plan entry {pattern!r} matches no module")
         for n in hits:
             modules[n].__class__ = _replicated(type(modules[n]))
+            replicated.add(n)
+    if sequence_parallel:
+        # every other layer with parameters (norms, the row-parallel biases' owners are
+        # split already) now sees 1/t of the tokens: its gradients are partial sums
+        split = set(plan_targets(plan, modules))
+        for n, m in modules.items():
+            if (n not in split and n not in replicated
+                    and any(True for _ in m.parameters(recurse=False))):
+                m.__class__ = _replicated(type(m))
 
 
 _REPLICATED: dict[type, type] = {}

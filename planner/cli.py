@@ -196,7 +196,7 @@ def _program(args: argparse.Namespace, ev: Any) -> Any:
 
     if args.strategy:
         shorthand = [f for f in ("pp", "dp", "tp", "ep", "schedule", "microbatches",
-                                 "recompute", "comm_stream", "bucket_mb")
+                                 "recompute", "comm_stream", "bucket_mb", "sp")
                      if getattr(args, f, None)]
         if shorthand:
             raise PiperError(f"--strategy and --{shorthand[0].replace('_', '-')} are "

@@ -34,6 +34,7 @@ from planner.replicas import representative_replicas
 from runtime.lowering import apply_for, program_microbatch_size
 from runtime.mesh import Mesh
 from runtime.plan import Plan
+from runtime.rank_stages import align
 from runtime.scheduler import schedule
 from search_spaces.base import Infeasible
 
@@ -73,6 +74,7 @@ class Evaluator:
     _stage_cuts: dict[tuple, tuple[list, list]] = field(default_factory=dict, repr=False)
     _shardings: dict[tuple, ModelSharding] = field(default_factory=dict, repr=False)
     _last_plan: tuple[Program, Plan] | None = field(default=None, repr=False)
+    _crossing: dict[ModelSharding, dict[str, float]] = field(default_factory=dict, repr=False)
 
     @cached_property
     def captured(self) -> PlanningCapture:
@@ -114,7 +116,18 @@ class Evaluator:
             assert cap.traffic is not None
             costs = with_precision(cap.costs, self.precision)
             self._sharded[sharding] = (costs, cap.traffic.in_precision(costs))
+            self._crossing[sharding] = self._crossing_share(cap.graph, sharding)
         return self._sharded[sharding]
+
+    def _crossing_share(self, graph: ModelGraph, sharding: ModelSharding) -> dict[str, float]:
+        """Per value crossing regions (the plan's names): the share of it a rank holds
+        under `sharding` (1/tp of the sequence with sequence parallelism, else whole)."""
+        if not sharding.sp:
+            return {}
+        whole = self.captured.graph
+        rename = align(graph, whole, 0, sharding.tp)
+        return {b: graph.value(a).nbytes / max(1, whole.value(b).nbytes)
+                for a, b in rename.items()}
 
     def region_costs(self) -> tuple[float, ...]:
         return tuple(float(self.costs.forward_flops_of([r], 1)) or 1.0
@@ -195,8 +208,12 @@ class Evaluator:
             pred = simulate(plan, self.costs, self.cluster, mb)
         else:  # the rank's slice of the math, plus the collectives inside its chunks
             costs, traffic = self.sharded_costs(plan.sharding)
-            durations = with_in_graph_comm(task_costs(plan, costs, self.cluster, mb), plan,
-                                           traffic, self.cluster, mb)
+            tc = task_costs(plan, costs, self.cluster, mb)
+            share = self._crossing.get(plan.sharding, {})
+            if share:  # what crosses stages is 1/tp of the sequence per rank
+                tc = dataclasses.replace(tc, value_bytes=tuple(
+                    (v, round(b * share.get(v, 1.0))) for v, b in tc.value_bytes))
+            durations = with_in_graph_comm(tc, plan, traffic, self.cluster, mb)
             pred = simulate(plan, costs, self.cluster, mb, durations=durations)
             # MFU counts the whole model's FLOPs; the slice's are 1/tp of them
             full, part = self.costs.forward_flops_per_sample, costs.forward_flops_per_sample

@@ -15,7 +15,8 @@ def fmt_bytes(n: float) -> str:
 
 
 def summary_line(s: dict[str, Any]) -> str:
-    return (f"dp={s['dp']} pp={s['pp']} tp={s['tp']} ep={s['ep']} zero={s['zero']} "
+    return (f"dp={s['dp']} pp={s['pp']} tp={s['tp']}{' sp' if s.get('sp') else ''} "
+            f"ep={s['ep']} zero={s['zero']} "
             f"schedule={s['schedule']} v={s['virtual_stages']} mb={s['microbatches']}"
             + (" recompute" if s["recompute"] else "")
             + (" comm-stream" if s.get("comm_stream") else "")

@@ -62,7 +62,11 @@ def shorthand_program(args: argparse.Namespace, gpus: int, regions: tuple[str, .
                                recompute=bool(getattr(args, "recompute", False)))
     except ValueError as e:
         raise PiperError(str(e)) from None
-    prog = schedules.shard(prog, tp=tp, ep=ep, expert_regions=expert_regions)
+    sp = bool(getattr(args, "sp", False))
+    if sp and tp == 1:
+        raise PiperError("--sp (sequence parallelism) splits the sequence over the "
+                         "tensor-parallel group: it needs --tp > 1")
+    prog = schedules.shard(prog, tp=tp, ep=ep, expert_regions=expert_regions, sp=sp)
     bucket = getattr(args, "bucket_mb", None)
     if bucket is not None:
         if not bucket > 0:
@@ -81,6 +85,9 @@ def add_shorthand_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--pp", type=int, help="pipeline ranks")
     g.add_argument("--dp", type=int, help="data-parallel replicas")
     g.add_argument("--tp", type=int, help="tensor-parallel degree (the model's TP_PLAN)")
+    g.add_argument("--sp", action="store_true", default=False,
+                   help="sequence parallelism with --tp (Megatron): between the split "
+                   "layers each rank keeps 1/tp of the sequence")
     g.add_argument("--ep", type=int, help="expert-parallel degree (splits piper.Experts "
                    "over data-parallel replicas)")
     g.add_argument("--zero", type=int, choices=[0, 1, 2, 3],

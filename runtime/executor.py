@@ -60,8 +60,10 @@ class RankExecutor:
         self.device = device
         self.groups = groups
         self.spec = spec
-        rename = align(captured.graph, plan.model, rank)
         sh = plan.sharding
+        rename = align(captured.graph, plan.model, rank, sh.tp if sh.sp else 1)
+        # what crosses stages, as this rank holds it (1/tp of the sequence with sp)
+        self.shapes = {b: tuple(captured.graph.value(a).shape) for a, b in rename.items()}
         model = rank_model(spec, captured.graph, plan, self.rp, self.tp_rank, seed, device)
         if train.precision == "bf16":  # parameters, gradients and optimizer state in bf16
             model = model.to(torch.bfloat16)
@@ -422,7 +424,7 @@ class RankExecutor:
         out = []
         for k, v in enumerate(task.values):
             info = self.plan.model.value(v)
-            buf = torch.empty(info.shape, device=self.device,
+            buf = torch.empty(self.shapes.get(v, info.shape), device=self.device,
                               dtype=self._wire_dtype(getattr(torch, info.dtype)))
             peer = self.mesh.physical(task.peer, self.tp_rank)
             link = self.groups[("p2p", peer, self.rank, task.grad)]

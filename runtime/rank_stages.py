@@ -47,15 +47,23 @@ def own_params(graph: ModelGraph, plan: Plan, rp: RankPlan) -> set[str]:
             | {p for p, users in graph.tied if set(users) & index})
 
 
-def align(got: ModelGraph, plan: ModelGraph, rank: int) -> dict[str, str]:
+def align(got: ModelGraph, plan: ModelGraph, rank: int, sp: int = 1) -> dict[str, str]:
     """This rank's capture's value names -> the plan's. A tensor/expert-parallel capture
     has other parameter shapes and op names, but the same regions and the same tensors
-    crossing between them, in the same order."""
+    crossing between them, in the same order; with sequence parallelism over `sp` ranks
+    those tensors may hold 1/sp of the sequence (dim 1)."""
     same = (got.names, got.output_region, [(f.src, f.dst, len(f.values)) for f in got.flows]
             ) == (plan.names, plan.output_region,
                   [(f.src, f.dst, len(f.values)) for f in plan.flows])
     rename = {a: b for fa, fb in zip(got.flows, plan.flows) for a, b in zip(fa.values, fb.values)}
-    if not same or any(got.value(a).shape != plan.value(b).shape for a, b in rename.items()):
+
+    def fits(mine: tuple[int, ...], whole: tuple[int, ...]) -> bool:
+        return mine == whole or (sp > 1 and len(mine) >= 2 and len(mine) == len(whole)
+                                 and mine[1] * sp == whole[1]
+                                 and mine[:1] + mine[2:] == whole[:1] + whole[2:])
+
+    if not same or any(not fits(tuple(got.value(a).shape), tuple(plan.value(b).shape))
+                       for a, b in rename.items()):
         raise RuntimeError(f"rank {rank}: captured model differs from the plan's model (a "
                            "tensor-parallel plan must not split tensors that cross regions)")
     return rename

@@ -23,11 +23,20 @@ class ShardTensor(Directive):
     same tasks on their slices, with Megatron's f/g all-reduces inside the chunks (so the
     world is pp x dp x degree). P2P goes between ranks of equal tensor-parallel index;
     data-parallel collectives run among them too.
+
+    `sequence_parallel` (Megatron's sequence parallelism): outside the split layers each rank
+    holds 1/degree of the sequence (dim 1), so norms, residual adds and the activations they
+    keep and send shrink by `degree`; a column-parallel layer gathers the sequence first and
+    a row-parallel one reduce-scatters its sums (the embedding too), the same bytes as the
+    all-reduces they replace. Parameters outside the plan then see part of the tokens, so
+    their gradients are summed over the group. Every op between the split layers must work
+    token by token (a learned position table added to the embedding does not).
     """
 
     degree: int
     _: KW_ONLY
     plan: tuple[tuple[str, str], ...] = ()
+    sequence_parallel: bool = False
     phase = 3
 
     def __post_init__(self) -> None:
@@ -58,5 +67,8 @@ class ShardTensor(Directive):
                 raise DirectiveError(index, self, f"{name}.weight is tied to another layer; "
                                      "a tied weight splits only by rows (vocab, colwise, "
                                      "colwise_rep) in every layer using it")
-        sharding = replace(dag.sharding, tp=self.degree, tp_plan=tuple(plan))
+        if self.sequence_parallel and self.degree == 1:
+            raise DirectiveError(index, self, "sequence_parallel needs degree > 1")
+        sharding = replace(dag.sharding, tp=self.degree, tp_plan=tuple(plan),
+                           sp=bool(self.sequence_parallel))
         return dag.with_graph(dag.graph, sharding=sharding)

@@ -93,3 +93,33 @@ def test_tensor_parallel_halves_the_math_and_adds_all_reduces() -> None:
     # per rank: half the layer math, twice the samples (dp 4 not 8), plus the all-reduces
     assert tp2.prediction.step_time_s != dp8.prediction.step_time_s
     assert max(tp2.prediction.peak_memory_bytes) < max(dp8.prediction.peak_memory_bytes)
+
+
+def test_sequence_parallel_scatters_and_gathers_and_shrinks_what_crosses_stages() -> None:
+    spec = load_model_file(str(ROOT / "examples" / "llama.py"), TINY)
+    plain = in_graph_comm(piper.capture(spec, 1, ModelSharding(tp=2, tp_plan=spec.tp_plan)))
+    cap = piper.capture(spec, 1, ModelSharding(tp=2, tp_plan=spec.tp_plan, sp=True))
+    sp = in_graph_comm(cap)
+    layer = cap.graph.names.index("layer.1")
+    act = 16 * 32 * 4  # one sample: seq 16 x dim 32 fp32, whole
+    # each column-parallel layer gathers the sequence where f was (wq, wk, wv, w1, w3) and
+    # each row-parallel one reduce-scatters where g was (wo, w2): the same whole tensors
+    assert sp.sequence_gather[layer] == plain.backward_all_reduce[layer] == (act,) * 5
+    assert sp.sequence_scatter[layer] == plain.forward_all_reduce[layer] == (act,) * 2
+    # what is left of the all-reduces: the norms' gradients, a few dozen bytes each
+    assert sum(sp.backward_all_reduce[layer]) < act
+    # a layer keeps less for backward: its norms and residual adds hold half the tokens
+    ev = Evaluator(spec, 4, 8, load_cluster("h100-80gb"))
+    whole = ev.sharded_costs(ModelSharding(tp=2, tp_plan=spec.tp_plan))[0]
+    split = ev.sharded_costs(ModelSharding(tp=2, tp_plan=spec.tp_plan, sp=True))[0]
+    assert split.activation_bytes[layer] < whole.activation_bytes[layer]
+    stages = [["embed", "layer.0", "layer.1"], ["layer.2", "layer.3", "head"]]
+    runs = [ev.evaluate(schedules.shard(schedules.build("1f1b", stages, microbatches=2),
+                                        tp=2, sp=on)) for on in (False, True)]
+    sends = [next(s for s in r.prediction.spans if s.task.kind is piper.Kind.SEND
+                  ).task for r in runs]
+    assert sends[0].values == sends[1].values
+    assert all(r.plan.sharding.sp is on for r, on in zip(runs, (False, True), strict=True))
+    # and the simulator prices each message at what a rank sends: half the sequence
+    share = ev._crossing[runs[1].plan.sharding]
+    assert set(share.values()) == {0.5}

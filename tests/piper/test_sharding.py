@@ -141,10 +141,29 @@ def test_shard_tensor_uses_the_model_files_plan_and_multiplies_the_world(gpt_dag
     assert Program.from_json(prog.to_json()) == prog
 
 
+def test_sequence_parallel_is_a_field_of_shard_tensor(gpt_dag) -> None:
+    prog = schedules.shard(schedules.build("1f1b", [list(gpt_dag.model.names)],
+                                           microbatches=2), tp=2, sp=True)
+    dag = prog.apply(gpt_dag)
+    assert dag.sharding.sp and dag.sharding.describe() == "tp=2 sp ep=1"
+    assert prog.summary()["sp"] is True
+    assert Program.from_json(prog.to_json()) == prog
+    assert "sequence_parallel=True" in prog.to_python()
+
+
+def test_sequence_parallel_layers_gather_and_scatter_and_sum_the_other_gradients() -> None:
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.LayerNorm(4), nn.Linear(4, 8), nn.Linear(8, 4))
+    shard_linears(m, (("1", "colwise"), ("2", "rowwise")), 2, 0, sequence_parallel=True)
+    assert m[1].sequence_parallel and m[2].sequence_parallel
+    assert type(m[0]).__name__ == "ReplicatedLayerNorm", "a norm sees 1/tp of the tokens"
+
+
 @pytest.mark.parametrize("directive, msg", [
     (ShardTensor(3), r"blocks.0.qkv: 96 output features are not 3 part\(s\) divisible by tp=3"),
     (ShardTensor(2, plan=(("mlp.*", "colwise"),)), "'mlp.\\*' matches no module"),
     (ShardTensor(0), "degree must be an int >= 1"),
+    (ShardTensor(1, sequence_parallel=True), "sequence_parallel needs degree > 1"),
 ])
 def test_shard_tensor_errors(gpt_dag, directive, msg) -> None:
     with pytest.raises(piper.DirectiveError, match=msg) as e:

@@ -99,8 +99,12 @@ CASES = {
                                             "dualpipev", "--microbatches", "4"],
     "moe_pp2_dp2_zero3_zb1p": ["--gpus", "4", "--pp", "2", "--dp", "2", "--zero", "3",
                                "--schedule", "zb1p", "--microbatches", "4"],
-    # Llama: RoPE, grouped-query attention (4 query / 2 key-value heads), SwiGLU
-    "llama_tp2_pp2": ["--gpus", "4", "--tp", "2", "--pp", "2", "--microbatches", "2"],
+    # Llama: RoPE, grouped-query attention (4 query / 2 key-value heads), SwiGLU; with
+    # sequence parallelism (stages send 1/tp of the sequence; norms' gradients summed)
+    "llama_tp2_sp_pp2": ["--gpus", "4", "--tp", "2", "--sp", "--pp", "2",
+                         "--microbatches", "2"],
+    "qwen3_tied_tp2_sp_dp2_zero3": ["--gpus", "4", "--tp", "2", "--sp", "--dp", "2",
+                                    "--zero", "3", "--microbatches", "2"],
     # Qwen3-style: q/k RMSNorm per head, embedding tied to the output head across stages
     "qwen3_tied_tp2_pp2": ["--gpus", "4", "--tp", "2", "--pp", "2", "--microbatches", "2"],
 }
@@ -109,7 +113,9 @@ MOE = [str(ROOT / "examples" / "moe.py"), *TINY]
 # cases on another model: [model file, --model-arg, KEY=VALUE, ...]
 OTHER_MODEL = {
     **{case: MOE for case in CASES if case.startswith("moe_")},
-    "llama_tp2_pp2": [str(ROOT / "examples" / "llama.py"), *TINY],
+    "llama_tp2_sp_pp2": [str(ROOT / "examples" / "llama.py"), *TINY],
+    "qwen3_tied_tp2_sp_dp2_zero3": [str(ROOT / "examples" / "llama.py"), "--model-arg",
+                                    "size=qwen3-tiny"],
     "qwen3_tied_tp2_pp2": [str(ROOT / "examples" / "llama.py"), "--model-arg",
                            "size=qwen3-tiny"],
     "tied_pp2_dp2_zero3": [GPT, *TINY, "--model-arg", "tie=true"],

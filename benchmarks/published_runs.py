@@ -69,6 +69,10 @@ class Run:
     schedule: str = "1f1b"
     v: int = 1
     recompute: bool = False
+    sp: bool = False
+    """Sequence parallelism (needs tp > 1 and a token-wise model: the Llama example)."""
+    unit_mb: float | None = None
+    """ZeRO-3 units (FSDP's wrapping): MiB of fp32 parameters each; None: a stage whole."""
     approx: str = ""
     """What the run used that the simulated strategy does not (empty: exact)."""
     assumed: str = ""
@@ -178,9 +182,17 @@ def torchtitan() -> list[Run]:
             assumed: str = "", schedule: str = "1f1b", v: int = 1) -> None:
         gbs = local_bs * fsdp
         step = gbs * seq / (gpus * tps)
+        d = dict(size[1:])
+        base = {"llama3-8b": (4096, 32, 8, 14336), "llama3-70b": (8192, 64, 8, 28672),
+                "405b": (16384, 128, 8, 53248), "70b": (8192, 64, 8, 28672),
+                "7b": (4096, 32, 32, 11008)}[size[0][1]]
+        h, heads, kv, ffn = (d.get("dim", base[0]), d.get("heads", base[1]),
+                             d.get("kv_heads", base[2]), d.get("ffn", base[3]))
+        layer = 2 * h * h + 2 * h * (h // heads * kv) + 3 * h * ffn
         out.append(Run("torchtitan", label, LLAMA, size, cluster, gpus, tp, pp, fsdp,
                        local_bs if pp == 1 else 1, gbs, step, zero=3, schedule=schedule,
-                       v=v, recompute=recompute, approx=approx, assumed=assumed))
+                       v=v, recompute=recompute, approx=approx, assumed=assumed,
+                       unit_mb=4 * layer / tp / 2**20))
 
     seq8k = "seq 8192 (toml default)"
     row("Llama 3.1 8B FSDP8 bs2 selective-op AC", _llama("llama3-8b"), "h100-96gb-500w", 8,
@@ -222,7 +234,7 @@ def llama3_paper() -> list[Run]:
         out.append(Run("llama3", f"Llama 3 405B tp8 pp16 dp{dp} ({gpus} GPUs)", LLAMA,
                        _llama("405b"), "h100-80gb", gpus, 8, 16, dp, 1, gbs,
                        flops / (gpus * tflops * 1e12), zero=2, schedule="interleaved-1f1b",
-                       v=4, approx="sequence parallelism",
+                       v=4, sp=True,
                        assumed="mbs 1, vp 4 (not stated), FSDP without reshard as zero 2"))
     return out
 
@@ -259,7 +271,8 @@ def mpt() -> list[Run]:
                 _gpt(int(r["d_model"]), int(r["n_layers"]), int(r["n_heads"]),
                      int(r["vocab"]), seq, tie=True),
                 clusters[r["GPU"]], gpus, 1, 1, gpus, mbs, gbs, step, zero=zero,
-                recompute=ckpt, assumed="ALiBi as learned positions"))
+                recompute=ckpt, assumed="ALiBi as learned positions",
+                unit_mb=4 * 12 * int(r["d_model"]) ** 2 / 2**20))
     return out
 
 
@@ -310,7 +323,8 @@ def simulate(run: Run, evaluators: Evaluators) -> Result:
     args = argparse.Namespace(
         pp=run.pp, dp=run.dp, tp=run.tp, ep=1, zero=run.zero, schedule=run.schedule,
         virtual_stages=run.v if run.v > 1 else None, microbatches=run.microbatches,
-        recompute=run.recompute, bucket_mb=None, comm_stream=run.dp > 1)
+        recompute=run.recompute, bucket_mb=run.unit_mb, comm_stream=run.dp > 1 and run.zero < 3,
+        sp=run.sp)
     program = shorthand_program(args, run.gpus, ev.graph.names, ev.region_costs())
     result = ev.evaluate(program)
     p = result.prediction

@@ -44,6 +44,7 @@ TP_PLAN = {  # Megatron: attention and MLP each column- then row-parallel
     "blocks.*.out": "rowwise",
     "tok": "vocab",  # Megatron's vocabulary-parallel embedding and output layer
     "lm_head": "colwise_rep",
+    "pos": "sequence",  # with --sp, each rank adds the positions of its share of tokens
 }
 _config = CONFIGS["1b"]
 

@@ -15,6 +15,10 @@ A model file may define `TP_PLAN = {"blocks.*.fc": "colwise", "blocks.*.out": "r
     vocab        an nn.Embedding's rows (the vocabulary) split; each rank looks up the
                  tokens in its range, zeros for the rest, and the partial embeddings leave
                  through g (Megatron's VocabParallelEmbedding)
+    sequence     an nn.Embedding indexed by position (a learned position table), kept
+                 whole: with sequence parallelism each rank keeps the rows of its share of
+                 the sequence, and the table's gradient is summed over the group; without,
+                 nothing changes
     replicate    any module, kept whole on every rank, whose parameters meet sharded
                  activations (a per-head q/k norm between column- and row-parallel layers):
                  each parameter enters through f, so its gradient is summed over the group
@@ -37,7 +41,7 @@ from torch import nn
 
 from piper.collectives import TP_GROUP, sp_gather, sp_scatter, tp_copy, tp_gather, tp_reduce
 
-STYLES = ("colwise", "rowwise", "colwise_rep", "vocab", "replicate")
+STYLES = ("colwise", "rowwise", "colwise_rep", "vocab", "sequence", "replicate")
 ROW_SPLIT = ("colwise", "colwise_rep", "vocab")
 """Styles that keep a slice of the weight's rows (dim 0) on each rank."""
 
@@ -48,7 +52,7 @@ def parse_style(style: str) -> tuple[str, int]:
     if name not in STYLES or (parts and (not parts.isdigit() or int(parts) < 1)) or (
             parts and name != "colwise"):
         raise ValueError(f"unknown tensor-parallel style {style!r}; use colwise, colwise:K, "
-                         "rowwise, colwise_rep, vocab or replicate")
+                         "rowwise, colwise_rep, vocab, sequence or replicate")
     return name, int(parts or 1)
 
 
@@ -73,6 +77,8 @@ def check_divisible(weight_shape: tuple[int, ...], style: str, parts: int, degre
                     ) -> str | None:
     """Why a linear weight of this shape cannot be split `degree` ways, or None."""
     out_f, in_f = weight_shape
+    if style == "sequence":
+        return None  # kept whole
     if style in ROW_SPLIT and out_f % (parts * degree):
         what = "vocabulary rows" if style == "vocab" else "output features"
         return f"{out_f} {what} are not {parts} part(s) divisible by tp={degree}"
@@ -124,6 +130,17 @@ class VocabEmbedding(nn.Embedding):
         return _leave(self, y.masked_fill(outside.unsqueeze(-1), 0.0))
 
 
+class SequenceEmbedding(nn.Embedding):
+    """A position table under sequence parallelism: the whole lookup, then this rank's
+    share of its rows (`sp_rank`: a 0-d buffer, as `vocab_start` is); the table enters
+    through f, so its gradient (its rows for this rank's positions) is summed."""
+
+    def forward(self, pos: torch.Tensor) -> torch.Tensor:
+        y = F.embedding(pos, tp_copy(self.weight, TP_GROUP), self.padding_idx, self.max_norm,
+                        self.norm_type, self.scale_grad_by_freq, self.sparse)
+        return y.view(self.tp_degree, -1, *y.shape[1:])[self.sp_rank]
+
+
 class RowwiseLinear(nn.Linear):
     """A Linear holding this rank's input columns; forward leaves through g, then bias."""
 
@@ -155,7 +172,17 @@ def shard_linears(model: nn.Module, plan: Iterable[tuple[str, str]], degree: int
     sliced: dict[int, tuple[nn.Parameter, nn.Parameter]] = {}  # id(whole): (whole, slice)
     for name, (style, parts) in plan_targets(plan, modules).items():
         m = modules[name]
-        want = nn.Embedding if style == "vocab" else nn.Linear
+        want = nn.Embedding if style in ("vocab", "sequence") else nn.Linear
+        if style == "sequence":
+            if type(m) is not want:
+                raise ValueError(f"tensor-parallel plan entry {name!r} is a "
+                                 f"{type(m).__name__}; style sequence splits an nn.Embedding")
+            if sequence_parallel:
+                m.__class__ = SequenceEmbedding
+                m.tp_degree = degree
+                m.register_buffer("sp_rank", torch.tensor(rank, device=m.weight.device),
+                                  persistent=False)
+            continue
         if type(m) is not want:
             raise ValueError(f"tensor-parallel plan entry {name!r} is a {type(m).__name__}; "
                              f"style {style} splits an nn.{want.__name__}")

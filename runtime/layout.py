@@ -65,7 +65,8 @@ class Slicing:
     def tp_split(self, name: str) -> bool:
         """Each tensor-parallel rank holds a different part (else rank 0's copy counts)."""
         style = self.styles.get(name)
-        return style is not None and not (style[0] == "rowwise" and name.endswith(".bias"))
+        return style is not None and style[0] != "sequence" and not (
+            style[0] == "rowwise" and name.endswith(".bias"))
 
     def pieces(self, name: str) -> list[Piece]:
         full = self.full[name]

@@ -135,7 +135,7 @@ def _read(handle: Any, name: str, style: tuple[str, int] | None, degree: int, ra
           bias: bool) -> torch.Tensor:
     """The whole tensor, or this rank's rows (column-parallel: of each of `parts` fused
     blocks) or columns (row-parallel weight; its bias is whole)."""
-    if style is None:
+    if style is None or style[0] == "sequence":  # a position table stays whole
         return handle.get_tensor(name)
     kind, parts = style
     sl = handle.get_slice(name)

@@ -45,6 +45,7 @@ def test_parse_style() -> None:
     assert parse_style("rowwise") == ("rowwise", 1)
     assert parse_style("colwise_rep") == ("colwise_rep", 1)
     assert parse_style("vocab") == ("vocab", 1)
+    assert parse_style("sequence") == ("sequence", 1)
     for bad in ("rowwise:2", "colwise:0", "colwise:x", "diagonal"):
         with pytest.raises(ValueError, match="unknown tensor-parallel style"):
             parse_style(bad)
@@ -149,6 +150,16 @@ def test_sequence_parallel_is_a_field_of_shard_tensor(gpt_dag) -> None:
     assert prog.summary()["sp"] is True
     assert Program.from_json(prog.to_json()) == prog
     assert "sequence_parallel=True" in prog.to_python()
+
+
+def test_a_position_table_keeps_its_rows_whole_and_changes_only_with_sp() -> None:
+    plain = nn.Sequential(nn.Embedding(8, 4))
+    shard_linears(plain, (("0", "sequence"),), 2, 1)
+    assert type(plain[0]) is nn.Embedding and plain[0].weight.shape == (8, 4)
+    sp = nn.Sequential(nn.Embedding(8, 4))
+    shard_linears(sp, (("0", "sequence"),), 2, 1, sequence_parallel=True)
+    assert type(sp[0]).__name__ == "SequenceEmbedding" and int(sp[0].sp_rank) == 1
+    assert sp[0].weight.shape == (8, 4), "the table stays whole"
 
 
 def test_sequence_parallel_layers_gather_and_scatter_and_sum_the_other_gradients() -> None:

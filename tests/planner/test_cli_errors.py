@@ -169,9 +169,6 @@ BAD = {
     "search timeout negative": (["search", GPT, *TINY, "--gpus", "1", "--timeout", "-5",
                                  "--out", "{out}"], ("--timeout must be > 0",)),
     "sp without tp": ([*SIM, "--gpus", "2", "--dp", "2", "--sp"], ("--sp", "needs --tp > 1")),
-    # examples/gpt.py adds a learned position table to the embedding: not token by token
-    "sp on a model that is not token-wise": ([*SIM, "--gpus", "2", "--tp", "2", "--sp"],
-                                             ("tp=2 sp ep=1", "does not run split this way")),
     "tp larger than a node": (["simulate", GPT, "--gpus", "16", "--tp", "16"],
                               ("--tp 16 is larger than a node", "h100-80gb (8 devices)")),
     "ep does not divide the experts": (["simulate", MOE, *TINY, "--gpus", "3", "--dp", "3",

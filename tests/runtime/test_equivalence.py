@@ -77,7 +77,9 @@ CASES = {
     "recompute_tp2": ["--gpus", "2", "--tp", "2", "--microbatches", "2", "--recompute"],
     # tensor parallelism (examples/gpt.py's TP_PLAN: Megatron column/row pairs)
     "tp2": ["--gpus", "2", "--tp", "2", "--microbatches", "2"],
-    "tp2_pp2_1f1b": ["--gpus", "4", "--tp", "2", "--pp", "2", "--microbatches", "4"],
+    # + sequence parallelism: a learned position table split by the sequence
+    "tp2_sp_pp2_1f1b": ["--gpus", "4", "--tp", "2", "--sp", "--pp", "2", "--microbatches",
+                        "4"],
     "tp2_dp2_zero3": ["--gpus", "4", "--tp", "2", "--dp", "2", "--zero", "3",
                       "--microbatches", "2"],
     "tp2_pp2_zb1p": ["--gpus", "4", "--tp", "2", "--pp", "2", "--schedule", "zb1p",

@@ -121,8 +121,8 @@ def megatron_h100() -> list[Run]:
         out.append(Run(
             "megatron-h100", f"GPT {name} tp{tp} pp{pp} dp{dp}", GPT,
             _gpt(h, layers, heads, 131072, 4096), "h100-80gb", gpus, tp, pp, dp, 1, gbs,
-            step, zero=1, schedule="1f1b",
-            approx="sequence parallelism, overlapped TP comm",
+            step, zero=1, schedule="1f1b", sp=True,
+            approx="TP communication overlapped with compute (--tp-comm-overlap)",
             assumed="mbs 1, no recompute, distributed optimizer, 1F1B (vp not stated)"))
     return out
 
@@ -145,9 +145,8 @@ def korthikanti() -> list[Run]:
         out.append(Run("korthikanti", f"GPT {name} tp{tp} pp{pp} full recompute",
                        published_s=full, recompute=True, **common))
         out.append(Run("korthikanti", f"GPT {name} tp{tp} pp{pp} SP+selective",
-                       published_s=present,
-                       approx="sequence parallelism + selective recompute (simulated "
-                              "without recompute)", **common))
+                       published_s=present, sp=True,
+                       approx="selective recompute (simulated without recompute)", **common))
     return out
 
 
@@ -158,9 +157,8 @@ def megascale() -> list[Run]:
             (6144, 12288, 8.57)]
     return [Run("megascale", f"GPT 175B Megatron-LM {gpus} GPUs gbs{gbs}", GPT,
                 _gpt(12288, 96, 128, 64000, 2048), "a100-80gb", gpus, 8, 8, gpus // 64, 1,
-                gbs, step, zero=1, schedule="interleaved-1f1b", v=6,
-                approx="sequence parallelism + selective recompute (simulated without "
-                       "recompute)",
+                gbs, step, zero=1, schedule="interleaved-1f1b", v=6, sp=True,
+                approx="selective recompute (simulated without recompute)",
                 assumed="mbs 1, A100-80GB (the paper says Ampere), ZeRO-2-style DP as "
                         "distributed optimizer (zero 1)")
             for gbs, gpus, step in rows]
@@ -324,7 +322,7 @@ def simulate(run: Run, evaluators: Evaluators) -> Result:
         pp=run.pp, dp=run.dp, tp=run.tp, ep=1, zero=run.zero, schedule=run.schedule,
         virtual_stages=run.v if run.v > 1 else None, microbatches=run.microbatches,
         recompute=run.recompute, bucket_mb=run.unit_mb, comm_stream=run.dp > 1 and run.zero < 3,
-        sp=run.sp)
+        sp=run.sp and run.tp > 1)
     program = shorthand_program(args, run.gpus, ev.graph.names, ev.region_costs())
     result = ev.evaluate(program)
     p = result.prediction

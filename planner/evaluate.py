@@ -176,12 +176,16 @@ class Evaluator:
 
     def _plan(self, program: Program) -> Plan:
         """The simulation view of `program`'s Plan: one replica of each kind, so its cost
-        does not grow with dp. Programs that differ only in the bucket cap (a search scores
-        each cap of a point: `SearchSpace.variants`) share one DAG and schedule: the cap
-        changes how collectives are priced, not which tasks run."""
+        does not grow with dp. Programs that differ only in the bucket cap or sequence
+        parallelism (a search scores each of a point's `SearchSpace.variants`) share one DAG
+        and schedule: those change how tasks are priced, not which tasks run."""
         rep = next((d for d in program.directives if isinstance(d, Replicate)), None)
         bucket = rep.bucket_mb if rep else None
-        key = Program([dataclasses.replace(d, bucket_mb=None) if d is rep else d
+        sp = any(isinstance(d, ShardTensor) and d.sequence_parallel
+                 for d in program.directives)
+        key = Program([dataclasses.replace(d, bucket_mb=None) if d is rep
+                       else dataclasses.replace(d, sequence_parallel=False)
+                       if isinstance(d, ShardTensor) else d
                        for d in program.directives], name=program.name)
         last = self._last_plan
         if last is None or last[0] != key:
@@ -192,8 +196,10 @@ class Evaluator:
             # no separate deadlock dry run: the simulator's timeline is one, and raises the same
             last = self._last_plan = (key, schedule(apply_for(key, dag, self.gpus),
                                                     check=False))
-        return dataclasses.replace(last[1], bucket_bytes=max(1, round(bucket * 2**20))
-                                   if bucket else 0)
+        plan = last[1]
+        return dataclasses.replace(plan, bucket_bytes=max(1, round(bucket * 2**20))
+                                   if bucket else 0,
+                                   sharding=dataclasses.replace(plan.sharding, sp=sp))
 
     def evaluate(self, program: Program) -> Evaluation:
         """Apply, schedule and simulate `program`, or return the cached result for its key."""

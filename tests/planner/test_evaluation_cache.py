@@ -101,3 +101,11 @@ def test_bucket_variants_share_a_schedule_and_price_their_own_cap() -> None:
     assert b.prediction.step_time_s == fresh.prediction.step_time_s
     assert b.prediction.peak_memory_bytes == fresh.prediction.peak_memory_bytes
     assert b.prediction.step_time_s != a.prediction.step_time_s
+    # sequence parallelism too: the same tasks, priced with the sequence split
+    tp = schedules.shard(schedules.build("1f1b", stages, microbatches=2, dp=1), tp=2)
+    tp_sp = schedules.shard(schedules.build("1f1b", stages, microbatches=2, dp=1), tp=2,
+                            sp=True)
+    c, d = shared.evaluate(tp), shared.evaluate(tp_sp)
+    assert d.plan.ranks is c.plan.ranks and d.plan.sharding.sp and not c.plan.sharding.sp
+    fresh_sp = Evaluator(spec, 4, 8, CATALOG["h100-80gb"]).evaluate(tp_sp)
+    assert d.prediction.step_time_s == fresh_sp.prediction.step_time_s

@@ -177,6 +177,8 @@ def predicted_json(pred: Prediction) -> dict:
     return {
         "step_time_s": pred.step_time_s,
         "peak_memory_bytes": list(pred.peak_memory_bytes),
+        # the logical ranks those peaks are of: one data-parallel replica of each kind
+        "ranks": list(pred.ranks),
         "tokens_per_s": pred.tokens_per_s,
         "mfu": pred.mfu,
     }

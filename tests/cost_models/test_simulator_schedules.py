@@ -110,8 +110,9 @@ def test_predicted_json_has_the_cli_keys_and_serialises(make_plan: Callable[...,
                                                         costs: ModelCosts) -> None:
     plan = make_plan("gpipe", pp=2, microbatches=4)
     out = predicted_json(simulate(plan, costs, CATALOG["cpu"], 2))
-    assert set(out) == {"step_time_s", "peak_memory_bytes", "tokens_per_s", "mfu"}
+    assert set(out) == {"step_time_s", "peak_memory_bytes", "ranks", "tokens_per_s", "mfu"}
     assert isinstance(out["peak_memory_bytes"], list) and len(out["peak_memory_bytes"]) == 2
+    assert out["ranks"] == [0, 1]
     json.dumps(out)
 
 

@@ -58,7 +58,8 @@ def test_simulating_exported_strategy_gives_searched_prediction(searched, capsys
     _, out, res = searched
     best = res["best"]
     assert best["summary"]["pp"] * best["summary"]["dp"] * best["summary"]["tp"] == 4
-    assert set(best["predicted"]) == {"step_time_s", "peak_memory_bytes", "tokens_per_s", "mfu"}
+    assert set(best["predicted"]) == {"step_time_s", "peak_memory_bytes", "ranks", "tokens_per_s",
+                                      "mfu"}
     assert res["feasible_trials"] <= res["trials"] <= 12
     for f in ("best_strategy.py", "best_strategy.json"):
         rc, sim = run_json(capsys, ["simulate", GPT, *TINY, "--gpus", "4", "--strategy",

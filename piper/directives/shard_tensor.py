@@ -16,7 +16,8 @@ class ShardTensor(Directive):
     its slice.
 
     `plan` is ((module glob, style), ...) with styles colwise, colwise:K, rowwise,
-    colwise_rep, vocab (see `piper.tensor_parallel`); empty means the model file's `TP_PLAN`.
+    colwise_rep, vocab, sequence, replicate (see `piper.tensor_parallel`); empty means the
+    model file's `TP_PLAN`.
     Requires: once, before Order; the planned layers divisible by `degree`; a tied weight
     split by rows in every layer using it.
     Rewrites: no node changes — every rank of the DAG becomes `degree` devices running the
@@ -30,7 +31,7 @@ class ShardTensor(Directive):
     a row-parallel one reduce-scatters its sums (the embedding too), the same bytes as the
     all-reduces they replace. Parameters outside the plan then see part of the tokens, so
     their gradients are summed over the group. Every op between the split layers must work
-    token by token (a learned position table added to the embedding does not).
+    token by token (a learned position table must be marked `sequence` in the plan).
     """
 
     degree: int

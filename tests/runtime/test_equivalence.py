@@ -22,19 +22,13 @@ CASES = {
     "pp2_dp2_zero3_interleaved": ["--gpus", "4", "--pp", "2", "--dp", "2", "--zero", "3",
                                   "--schedule", "interleaved-1f1b", "--virtual-stages", "2",
                                   "--microbatches", "2"],
-    "pp4_zb1p": ["--gpus", "4", "--pp", "4", "--schedule", "zb1p", "--microbatches", "8"],
     "pp2_dp2_zero2_zb1p": ["--gpus", "4", "--pp", "2", "--dp", "2", "--zero", "2",
                            "--schedule", "zb1p", "--microbatches", "4"],
     # ZeRO-3 with a split backward: gathered for F and I, W needs no parameters
-    "pp2_dp2_zero3_zb1p": ["--gpus", "4", "--pp", "2", "--dp", "2", "--zero", "3",
-                           "--schedule", "zb1p", "--microbatches", "4"],
     "pp2_dp2_zero3_dualpipev": ["--gpus", "4", "--pp", "2", "--dp", "2", "--zero", "3",
                                 "--schedule", "dualpipev", "--microbatches", "4"],
     "tied_pp2_dp2_zero3_dualpipev": ["--gpus", "4", "--pp", "2", "--dp", "2", "--zero", "3",
                                      "--schedule", "dualpipev", "--microbatches", "4"],
-    "pp2_dp2_zero1_dualpipev": ["--gpus", "4", "--pp", "2", "--dp", "2", "--zero", "1",
-                                "--schedule", "dualpipev", "--microbatches", "4"],
-    "dp2_comm_stream": ["--gpus", "2", "--dp", "2", "--microbatches", "2", "--comm-stream"],
     "pp2_dp2_zero2_comm_stream": ["--gpus", "4", "--pp", "2", "--dp", "2", "--zero", "2",
                                   "--microbatches", "4", "--comm-stream"],
     # DDP-style buckets (1 KiB: several per stage), started inside the last backward; on a
@@ -76,7 +70,6 @@ CASES = {
                                 "--microbatches", "2", "--recompute"],
     "recompute_tp2": ["--gpus", "2", "--tp", "2", "--microbatches", "2", "--recompute"],
     # tensor parallelism (examples/gpt.py's TP_PLAN: Megatron column/row pairs)
-    "tp2": ["--gpus", "2", "--tp", "2", "--microbatches", "2"],
     # + sequence parallelism: a learned position table split by the sequence
     "tp2_sp_pp2_1f1b": ["--gpus", "4", "--tp", "2", "--sp", "--pp", "2", "--microbatches",
                         "4"],

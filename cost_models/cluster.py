@@ -17,6 +17,7 @@ what a measured run reaches. A cluster that enables TF32 can say so in its own s
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import tomllib
 from dataclasses import dataclass, fields
@@ -185,6 +186,17 @@ _ASSUMED = ("assumed, not measured: compute_efficiency 0.5 (whole-model share of
             "elementwise_bandwidth 0.8 of the HBM bandwidth (memory-bound kernels), "
             "latencies (typical NCCL small-message figures); profile to replace them")
 
+_H100 = ClusterSpec(
+        name="h100-80gb", device="NVIDIA H100-SXM5-80GB", gpus_per_node=8,
+        memory_bytes=80 * GiB, flops=67e12, compute_efficiency=0.5,
+        intra_node_bandwidth=450e9, intra_node_latency=5e-6,
+        inter_node_bandwidth=50e9, inter_node_latency=1e-5, memory_bandwidth=3.35e12,
+        elementwise_bandwidth=ELEMENTWISE_SHARE * 3.35e12,
+        bf16_flops=989e12,
+        source=f"{_NVIDIA} H100 SXM (FP32 67 TF; TF32 dense 495 TF; BF16 dense 989 TF; "
+               "HBM3 3.35 TB/s; NVLink4 900 GB/s bidirectional); DGX H100 datasheet: "
+               "one 400 Gb/s NDR HCA per GPU; " + _ASSUMED)
+
 CATALOG: dict[str, ClusterSpec] = {
     s.name: s for s in (
         ClusterSpec(
@@ -207,24 +219,12 @@ CATALOG: dict[str, ClusterSpec] = {
             source=f"{_NVIDIA} A100 SXM (FP32 19.5 TF; TF32 dense 156 TF; BF16 dense 312 TF; "
                    "HBM2e 2039 GB/s; NVLink3 600 GB/s bidirectional); DGX A100 datasheet: "
                    "one 200 Gb/s HDR HCA per GPU; " + _ASSUMED),
-        ClusterSpec(
-            name="h100-80gb", device="NVIDIA H100-SXM5-80GB", gpus_per_node=8,
-            memory_bytes=80 * GiB, flops=67e12, compute_efficiency=0.5,
-            intra_node_bandwidth=450e9, intra_node_latency=5e-6,
-            inter_node_bandwidth=50e9, inter_node_latency=1e-5, memory_bandwidth=3.35e12,
-            elementwise_bandwidth=ELEMENTWISE_SHARE * 3.35e12,
-            bf16_flops=989e12,
-            source=f"{_NVIDIA} H100 SXM (FP32 67 TF; TF32 dense 495 TF; BF16 dense 989 TF; "
-                   "HBM3 3.35 TB/s; NVLink4 900 GB/s bidirectional); DGX H100 datasheet: "
-                   "one 400 Gb/s NDR HCA per GPU; " + _ASSUMED),
-        ClusterSpec(
-            # Meta's Grand Teton H100s that torchtitan's published benchmarks ran on
-            name="h100-96gb-500w", device="NVIDIA H100 96GB HBM2e (500 W cap)", gpus_per_node=8,
-            memory_bytes=96 * GiB, flops=67e12, compute_efficiency=0.5,
-            intra_node_bandwidth=450e9, intra_node_latency=5e-6,
-            inter_node_bandwidth=50e9, inter_node_latency=1e-5, memory_bandwidth=3.35e12,
-            elementwise_bandwidth=ELEMENTWISE_SHARE * 3.35e12,
-            bf16_flops=989e12,
+        _H100,
+        # Meta's Grand Teton H100s that torchtitan's published benchmarks ran on: the H100
+        # SXM's figures (none are published for this part) with its memory
+        dataclasses.replace(
+            _H100, name="h100-96gb-500w", device="NVIDIA H100 96GB HBM2e (500 W cap)",
+            memory_bytes=96 * GiB,
             source="torchtitan benchmarks/llama3_h100_202412_torchtitan.md (Grand Teton, 8 H100 "
                    "per host on NVLink, 96 GB HBM2e, 500 W power limit, 400 Gb/s RDMA per GPU; "
                    "MFU there is computed against the SXM part's 989 TF); peak rates, NVLink "

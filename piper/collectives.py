@@ -141,7 +141,7 @@ def _(x: torch.Tensor, group: int, degree: int) -> torch.Tensor:
     return x.new_empty((*x.shape[:-1], x.shape[-1] * degree))
 
 
-def _keep_gather(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
+def _keep_degree(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
     ctx.group, ctx.degree = inputs[1], inputs[2]
 
 
@@ -150,7 +150,7 @@ def _own_slice(ctx: Any, g: torch.Tensor) -> tuple:
     return g.chunk(ctx.degree, dim=-1)[index].contiguous(), None, None
 
 
-tp_gather.register_autograd(_own_slice, setup_context=_keep_gather)
+tp_gather.register_autograd(_own_slice, setup_context=_keep_degree)
 
 # ---- sequence parallelism (Megatron): activations between tensor-parallel blocks hold 1/t of
 # the sequence (dim 1). Entering a column-parallel layer gathers it (backward: reduce-scatter
@@ -172,10 +172,6 @@ def _seq_scatter(x: torch.Tensor, key: int, degree: int) -> torch.Tensor:
     with lanes.waiting():
         dist.reduce_scatter_single(out, src, group=g)
     return out.transpose(0, 1).to(x.dtype)
-
-
-def _keep_degree(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
-    ctx.group, ctx.degree = inputs[1], inputs[2]
 
 
 @torch.library.custom_op("piper::sp_gather", mutates_args=())

@@ -7,8 +7,9 @@
    fp32, a side stream ordered by an event, `torch.cuda.max_memory_allocated`, a one-rank
    NCCL group's all-reduce.
 2. The device's bf16 and fp32 matmul rates by size (the saturating curve the cost model
-   uses: rate = peak x efficiency x f / (f + half)), its copy bandwidth and the fixed cost
-   of a small op, against the catalog's assumptions.
+   uses: rate = peak x efficiency x f / (f + half)), a causal fused attention's forward +
+   backward rate, its copy bandwidth and the fixed cost of a small op, against the
+   catalog's figures.
 3. One cluster file per precision (OUT/cluster_bf16.toml, OUT/cluster_fp32.toml): the
    catalog entry's links (one GPU has no peer to time them with) with these measured
    compute, memory and per-op figures (`piper-plan profile` needs two ranks).
@@ -124,6 +125,22 @@ def matmul_curve(device: str, dtype: torch.dtype, quick: bool) -> dict:
     return {"points": points, "rate_max": float(top), "half_flops": float(half)}
 
 
+def attention_rate(device: str, dtype: torch.dtype, quick: bool) -> float:
+    """FLOP/s a causal fused attention (SDPA) runs forward + backward, counted as the cost
+    model times it: half the s x s blocks, a backward of 2.5 forwards."""
+    from cost_models.analytical import ATTENTION_BACKWARD_RATIO, CAUSAL_WORK
+    b, h, s, d = (1, 2, 128, 32) if quick else (4, 16, 4096, 128)
+    q, k, v = (torch.randn(b, h, s, d, device=torch.device(device), dtype=dtype,
+                           requires_grad=True) for _ in range(3))
+
+    def step() -> None:
+        torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).sum(
+            ).backward()
+    seconds = _timed(step, device, 3 if quick else 20)
+    forward = 4.0 * b * h * s * s * d * CAUSAL_WORK  # QK^T and PV, the blocks it runs
+    return forward * (1 + ATTENTION_BACKWARD_RATIO) / seconds
+
+
 def memory_and_overheads(device: str, quick: bool) -> dict:
     """Copy bandwidth (what memory-bound ops stream at) and the fixed cost of one small op
     forward and forward + backward (launch and dispatch)."""
@@ -181,14 +198,21 @@ def main() -> int:
                        else torch.float32, quick)
     full = matmul_curve(args.device, torch.float32, quick)
     mem = memory_and_overheads(args.device, quick)
-    report |= {"matmul_bf16": low, "matmul_fp32": full, "memory": mem}
+    attention = attention_rate(args.device, torch.bfloat16 if args.device == "cuda"
+                               else torch.float32, quick)
+    report |= {"matmul_bf16": low, "matmul_fp32": full, "memory": mem,
+               "attention_bf16_rate": attention}
     base = load_cluster(catalog_name(args.device))
     for name, curve, peak in (("bf16", low, base.peak_flops(True)),
                               ("fp32", full, base.peak_flops(False))):
         print(f"{name} matmul: up to {curve['rate_max'] / 1e12:.3g} TFLOP/s = "
               f"{curve['rate_max'] / peak:.2f} of the catalog's {peak / 1e12:.3g} TF "
-              f"(the catalog assumes {base.compute_efficiency}); half rate at "
+              f"(the catalog has {base.compute_efficiency:.3f}); half rate at "
               f"{curve['half_flops']:.3g} FLOPs")
+    low_peak = base.peak_flops(args.device == "cuda")
+    print(f"causal attention forward + backward: {attention / 1e12:.3g} TFLOP/s = "
+          f"{attention / low_peak:.2f} of the peak (the catalog has "
+          f"{base.attention_efficiency})")
     print(f"copy {mem['copy_bandwidth'] / 1e9:.0f} GB/s (catalog elementwise: "
           f"{(base.elementwise_bandwidth or 0) / 1e9:.0f}); one small op {mem['op_s'] * 1e6:.1f} "
           f"us forward, {mem['backward_op_s'] * 1e6:.1f} us backward")
@@ -207,6 +231,8 @@ def main() -> int:
         spec = dataclasses.replace(
             base, name=f"measured-{name}", **measured,
             compute_efficiency=min(1.0, curve["rate_max"] / peak),
+            # the attention was timed in bf16 (fp32 runs keep the matmul figure)
+            attention_efficiency=min(1.0, attention / peak) if name == "bf16" else None,
             matmul_half_flops=curve["half_flops"])
         clusters[name] = args.out / f"cluster_{name}.toml"
         clusters[name].write_text(to_toml(spec))

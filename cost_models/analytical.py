@@ -33,6 +33,10 @@ from runtime.plan import Plan, Task
 BACKWARD_FLOPS_RATIO = 2.0
 """Backward = grad wrt inputs + grad wrt weights, each about one forward's matmuls."""
 
+ATTENTION_BACKWARD_RATIO = 2.5
+"""A fused attention's backward recomputes the scores and probabilities it did not keep:
+five matmuls (S = QK^T again, dV, dP, dQ, dK) against the forward's two (S, PV)."""
+
 UPDATE_BYTES_PER_PARAM = 28
 """fp32 AdamW streams param, grad, m, v in (16 B) and param, m, v out (12 B): memory-bound."""
 
@@ -43,7 +47,7 @@ _LOW_PRECISION = (torch.bfloat16, torch.float16)
 class OpGroup:
     """`count` ops of one region that cost alike: `flops` each at the capture batch (0: no
     matmul math, so only the per-op overhead and the bytes it moves), in 16-bit floats or
-    not."""
+    not, moving `nbytes`."""
 
     flops: int
     count: int
@@ -53,9 +57,13 @@ class OpGroup:
     `is_causal`) skips the blocks above the diagonal, about half. FLOP counts keep the
     whole figure (the convention MFU is reported in), durations use this share."""
     nbytes: int = 0
-    """An op without matmul math (a norm, an activation, a residual add, a cast): the bytes
-    it reads and writes at the capture batch. Such ops are bound by memory bandwidth on
-    GPUs (`ClusterSpec.elementwise_bandwidth`); views move none."""
+    """The bytes the op reads and writes at the capture batch (views move none). An op
+    without matmul math (a norm, an activation, a residual add, a cast) is bound by them on
+    GPUs (`ClusterSpec.elementwise_bandwidth`); a matmul whose operands are thin (a small
+    hidden size) is partly bound by them too."""
+    attention: bool = False
+    """A fused attention kernel (any of ATen's scaled-dot-product ops): its backward
+    recomputes what the forward did not keep (`ATTENTION_BACKWARD_RATIO`)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -142,30 +150,35 @@ class ModelCosts:
                       cluster: ClusterSpec) -> tuple[float, float]:
         """(forward, backward) seconds of `regions` on `samples`, op by op.
 
-        A matmul of f FLOPs takes f / `cluster.matmul_rate(f)` forward and twice that
-        backward (input and weight gradients: two matmuls of the same size); every other op
-        costs the cluster's per-op overhead plus the bytes it moves over
-        `cluster.elementwise_bandwidth` (twice that backward: it reads the output's gradient
-        and what it saved, and writes the input's gradient). Without op records: FLOPs /
-        effective rate.
+        A matmul of f FLOPs moving b bytes takes `cluster.matmul_seconds(f, b)` forward
+        (the rate its math reaches, bounded by the bytes its operands stream) and twice that
+        backward (input and weight gradients: two matmuls of the same size; a fused
+        attention `ATTENTION_BACKWARD_RATIO` times); every other op costs the cluster's
+        per-op overhead plus the bytes it moves over `cluster.elementwise_bandwidth` (twice
+        that backward: it reads the output's gradient and what it saved, and writes the
+        input's gradient). Without op records: FLOPs / effective rate.
         """
         if not self._ops_match:
             fwd = self.forward_flops_of(regions, samples) / cluster.effective_flops
             return fwd, BACKWARD_FLOPS_RATIO * fwd
         scale = samples / self.batch
-        mm = other = moved = 0.0
+        mm = mm_back = other = moved = 0.0
         for r in regions:
             for g in self.ops[self.regions.index(r)]:
                 if g.flops:
-                    f = g.flops * g.work * scale
-                    mm += g.count * f / cluster.matmul_rate(f, g.low_precision)
+                    t = g.count * cluster.matmul_seconds(g.flops * g.work * scale,
+                                                         g.nbytes * scale, g.low_precision,
+                                                         g.attention)
+                    mm += t
+                    mm_back += t * (ATTENTION_BACKWARD_RATIO if g.attention
+                                    else BACKWARD_FLOPS_RATIO)
                 else:
                     other += g.count
                     moved += g.count * g.nbytes * scale
         bw = cluster.elementwise_bandwidth
         streamed = moved / bw if bw else 0.0
         return (mm + other * cluster.op_overhead_s + streamed,
-                BACKWARD_FLOPS_RATIO * (mm + streamed)
+                mm_back + BACKWARD_FLOPS_RATIO * streamed
                 + other * cluster.backward_op_overhead_s)
 
     def params_of(self, regions: Sequence[str]) -> int:
@@ -199,7 +212,8 @@ def model_costs(captured: Captured) -> ModelCosts:
         batch=mg.batch,
         tokens_per_sample=_tokens_per_sample(captured),
         element_size=_element_size(captured),
-        ops=tuple(tuple(OpGroup(f, c, lp, w, b) for (f, lp, w, b), c in sorted(groups.items()))
+        ops=tuple(tuple(OpGroup(f, c, lp, w, b, a)
+                        for (f, lp, w, b, a), c in sorted(groups.items()))
                   for groups in counter.ops),
         param_tensors=tuple(len(r.params) for r in mg.regions),
         recompute_bytes=measured[1] if measured else (),
@@ -221,7 +235,8 @@ class _RegionCounter(fx.Interpreter):
         self.mode = FlopCounterMode(display=False)
         self.flops = [0] * regions
         self.saved = [0] * regions
-        self.ops: list[dict[tuple[int, bool, float, int], int]] = [{} for _ in range(regions)]
+        self.ops: list[dict[tuple[int, bool, float, int, bool], int]] = [
+            {} for _ in range(regions)]
 
     def run_node(self, n: fx.Node) -> object:
         if n.op != "call_function":
@@ -237,7 +252,7 @@ class _RegionCounter(fx.Interpreter):
         self.flops[r] += flops
         if getattr(n.target, "_schema", None) is not None:  # an ATen op, not Python glue
             key = (flops, _low_precision(out), CAUSAL_WORK if _causal_attention(n) else 1.0,
-                   0 if flops else _moved_bytes(n, args, out))
+                   _moved_bytes(n, args, out), bool(flops) and _fused_attention(n))
             self.ops[r][key] = self.ops[r].get(key, 0) + 1
         if not _aliases(n):
             self.saved[r] += sum(t.numel() * t.element_size()
@@ -250,9 +265,14 @@ CAUSAL_WORK = 0.5
 diagonal are skipped, (s + 1) / 2s of the s x s scores, about half at training lengths."""
 
 
+def _fused_attention(n: fx.Node) -> bool:
+    """Any of ATen's scaled-dot-product attention ops (flash, efficient, cuDNN, math)."""
+    return "scaled_dot_product" in str(n.target)
+
+
 def _causal_attention(n: fx.Node) -> bool:
     """A fused scaled-dot-product attention with `is_causal` (any of ATen's SDPA ops)."""
-    if "scaled_dot_product" not in str(n.target):
+    if not _fused_attention(n):
         return False
     schema = getattr(n.target, "_schema", None)
     names = [a.name for a in schema.arguments] if schema is not None else []
@@ -455,9 +475,10 @@ def with_precision(costs: ModelCosts, precision: str, reduce_dtype: str = "fp32"
     if precision == "fp32" and reduce_dtype == "fp32":
         return costs
     low = precision != "fp32"
-    # matmuls at the bf16 rate; the other ops stream bf16 activations (half the bytes)
-    ops = tuple(tuple(g if not low else replace(g, low_precision=True) if g.flops
-                      else replace(g, nbytes=g.nbytes // 2)
+    # matmuls at the bf16 rate; every op streams bf16 activations (half the bytes; a
+    # matmul's weight is the bf16 copy autocast makes)
+    ops = tuple(tuple(replace(g, low_precision=g.low_precision or bool(g.flops),
+                              nbytes=g.nbytes // 2) if low else g
                       for g in groups) for groups in costs.ops)
     half = (lambda t: tuple(x // 2 for x in t)) if low else (lambda t: t)
     element = 2 if precision == "bf16" else costs.element_size

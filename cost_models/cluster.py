@@ -59,7 +59,10 @@ class ClusterSpec:
     flops: float
     """Peak dense FLOP/s per device for PyTorch-default fp32 math (see module docstring)."""
     compute_efficiency: float
-    """Fraction of `flops` a whole model's math reaches: matmuls run near peak, the rest not."""
+    """Fraction of the peak a large, well-shaped matmul reaches (on GPUs: the measured
+    maximum achievable matmul FLOP/s over the datasheet peak). Smaller or thinner matmuls
+    reach less (`matmul_half_flops`, `matmul_seconds`); ops without matmul math are priced
+    by the bytes they move."""
     intra_node_bandwidth: float
     """Bytes/s per direction per device over the node's fabric (NVLink on GPUs)."""
     intra_node_latency: float
@@ -77,6 +80,10 @@ class ClusterSpec:
     """Where the figures come from, so a reader can check them."""
     bf16_flops: float | None = None
     """Peak dense FLOP/s for 16-bit float matmuls (tensor cores); None: same as `flops`."""
+    attention_efficiency: float | None = None
+    """Fraction of the peak a fused attention kernel (flash attention, SDPA) reaches on its
+    executed FLOPs, forward and backward: its softmax and online rescaling sit between two
+    matmuls, so it stays well below a plain matmul's. None: `compute_efficiency`."""
     matmul_half_flops: float = 0.0
     """FLOPs of one matmul at which it reaches half of `compute_efficiency`: small matmuls
     do not fill the device. 0: efficiency does not depend on size."""
@@ -126,6 +133,9 @@ class ClusterSpec:
         e = self.compute_efficiency
         if not _number(e) or not 0 < e <= 1:
             problems.append(f"compute_efficiency must be in (0, 1], got {e!r}")
+        a = self.attention_efficiency
+        if a is not None and (not _number(a) or not 0 < a <= 1):
+            problems.append(f"attention_efficiency must be in (0, 1], got {a!r}")
         for f in ("memory_bandwidth", "bf16_flops", "elementwise_bandwidth"):
             v = getattr(self, f)
             if v is not None and (not _number(v) or not v > 0):
@@ -171,6 +181,32 @@ class ClusterSpec:
             return rate
         return rate * flops / (flops + self.matmul_half_flops)
 
+    def matmul_seconds(self, flops: float, nbytes: float, low_precision: bool = False,
+                       attention: bool = False) -> float:
+        """Seconds of one matmul of `flops` whose operands and result are `nbytes`.
+
+        Its math alone takes t_c = flops / `matmul_rate` (a fused attention: at
+        `attention_efficiency` of the peak); streaming its operands alone
+        t_m = nbytes / `elementwise_bandwidth` (no memory term where that is None, as on
+        profiled CPU specs, whose fitted rate covers it). A kernel that does both at once
+        reaches neither bound near the ridge point, so the two combine as
+        sqrt(t_c^2 + t_m^2): against XLA's measured H100 bf16 GEMM table
+        (`xla/service/gpu/model/matmul_interpolator_data.h`, shapes up to 4096^3) this is
+        within about 15% where both terms matter, where max(t_c, t_m) is up to 50% fast and
+        t_c + t_m up to 30% slow. A thin matmul (a small hidden size) is thereby slower per
+        FLOP than a wide one, as measured.
+        """
+        if flops <= 0:
+            compute = 0.0
+        elif attention and self.attention_efficiency is not None:
+            compute = flops / (self.peak_flops(low_precision) * self.attention_efficiency)
+        else:
+            compute = flops / self.matmul_rate(flops, low_precision)
+        bw = self.elementwise_bandwidth
+        if not bw or nbytes <= 0:
+            return compute
+        return math.hypot(compute, nbytes / bw)
+
 
 def _number(v: object) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and not math.isnan(v)
@@ -182,43 +218,63 @@ def _number(v: object) -> bool:
 _NVIDIA = "NVIDIA datasheet"
 ELEMENTWISE_SHARE = 0.8
 """Share of the HBM bandwidth memory-bound kernels (norms, activations, adds) stream at."""
-_ASSUMED = ("assumed, not measured: compute_efficiency 0.5 (whole-model share of peak), "
-            "elementwise_bandwidth 0.8 of the HBM bandwidth (memory-bound kernels), "
-            "latencies (typical NCCL small-message figures); profile to replace them")
+_ASSUMED = ("assumed, not measured: elementwise_bandwidth 0.8 of the HBM bandwidth "
+            "(memory-bound kernels), latencies (typical NCCL small-message figures); "
+            "profile to replace them")
+_MAMF = ("compute_efficiency: the maximum achievable bf16 matmul FLOP/s measured with "
+         "mamf-finder.py (stas00/ml-engineering, compute/accelerator/README.md, 'Maximum "
+         "Achievable Matmul FLOPS comparison table')")
+A100_MAMF = 271.2e12 / 312e12
+"""A100 SXM: 271.2 of 312 TFLOP/s (86.9%), torch 2.6.0+cu126."""
+H100_MAMF = 794.5e12 / 989e12
+"""H100 SXM: 794.5 of 989 TFLOP/s (80.3%), torch 2.7.0+cu126."""
+A100_FLASH = 0.5
+"""FlashAttention-2 (Dao 2023, arXiv 2307.08691) reaches 50-73% of the A100's peak; its
+backward, 2.5 of the 3.5 forward-equivalents a training step runs, sits at the low end."""
+H100_FLASH = 0.35
+"""FlashAttention-3 (Shah et al. 2024, arXiv 2407.08608): FlashAttention-2, the kernel
+PyTorch's SDPA flash backend runs (and torchtitan and llm-foundry with it), reaches 35% of
+the H100's peak (FlashAttention-3 itself 75% forward, in FP16)."""
+_FLASH = "attention_efficiency: FlashAttention-2 as measured by its papers"
 
 _H100 = ClusterSpec(
         name="h100-80gb", device="NVIDIA H100-SXM5-80GB", gpus_per_node=8,
-        memory_bytes=80 * GiB, flops=67e12, compute_efficiency=0.5,
-        intra_node_bandwidth=450e9, intra_node_latency=5e-6,
+        memory_bytes=80 * GiB, flops=67e12, compute_efficiency=H100_MAMF,
+        attention_efficiency=H100_FLASH, intra_node_bandwidth=450e9, intra_node_latency=5e-6,
         inter_node_bandwidth=50e9, inter_node_latency=1e-5, memory_bandwidth=3.35e12,
         elementwise_bandwidth=ELEMENTWISE_SHARE * 3.35e12,
         bf16_flops=989e12,
         source=f"{_NVIDIA} H100 SXM (FP32 67 TF; TF32 dense 495 TF; BF16 dense 989 TF; "
                "HBM3 3.35 TB/s; NVLink4 900 GB/s bidirectional); DGX H100 datasheet: "
-               "one 400 Gb/s NDR HCA per GPU; " + _ASSUMED)
+               f"one 400 Gb/s NDR HCA per GPU; {_MAMF}: H100 SXM 794.5 TF; {_FLASH} (35% "
+               "on H100, FlashAttention-3 paper); " + _ASSUMED)
 
 CATALOG: dict[str, ClusterSpec] = {
     s.name: s for s in (
         ClusterSpec(
             name="a100-40gb", device="NVIDIA A100-SXM4-40GB", gpus_per_node=8,
-            memory_bytes=40 * GiB, flops=19.5e12, compute_efficiency=0.5,
+            memory_bytes=40 * GiB, flops=19.5e12, compute_efficiency=A100_MAMF,
+            attention_efficiency=A100_FLASH,
             intra_node_bandwidth=300e9, intra_node_latency=5e-6,
             inter_node_bandwidth=25e9, inter_node_latency=1e-5, memory_bandwidth=1555e9,
             elementwise_bandwidth=ELEMENTWISE_SHARE * 1555e9,
             bf16_flops=312e12,
             source=f"{_NVIDIA} A100 SXM (FP32 19.5 TF; TF32 dense 156 TF; BF16 dense 312 TF; "
                    "HBM2 1555 GB/s; NVLink3 600 GB/s bidirectional); DGX A100 datasheet: "
-                   "one 200 Gb/s HDR HCA per GPU; " + _ASSUMED),
+                   f"one 200 Gb/s HDR HCA per GPU; {_MAMF}: A100 SXM 271.2 TF; {_FLASH} "
+                   "(50-73% on A100, the backward at the low end); " + _ASSUMED),
         ClusterSpec(
             name="a100-80gb", device="NVIDIA A100-SXM4-80GB", gpus_per_node=8,
-            memory_bytes=80 * GiB, flops=19.5e12, compute_efficiency=0.5,
+            memory_bytes=80 * GiB, flops=19.5e12, compute_efficiency=A100_MAMF,
+            attention_efficiency=A100_FLASH,
             intra_node_bandwidth=300e9, intra_node_latency=5e-6,
             inter_node_bandwidth=25e9, inter_node_latency=1e-5, memory_bandwidth=2039e9,
             elementwise_bandwidth=ELEMENTWISE_SHARE * 2039e9,
             bf16_flops=312e12,
             source=f"{_NVIDIA} A100 SXM (FP32 19.5 TF; TF32 dense 156 TF; BF16 dense 312 TF; "
                    "HBM2e 2039 GB/s; NVLink3 600 GB/s bidirectional); DGX A100 datasheet: "
-                   "one 200 Gb/s HDR HCA per GPU; " + _ASSUMED),
+                   f"one 200 Gb/s HDR HCA per GPU; {_MAMF}: A100 SXM 271.2 TF; {_FLASH} "
+                   "(50-73% on A100, the backward at the low end); " + _ASSUMED),
         _H100,
         # Meta's Grand Teton H100s that torchtitan's published benchmarks ran on: the H100
         # SXM's figures (none are published for this part) with its memory
@@ -228,20 +284,23 @@ CATALOG: dict[str, ClusterSpec] = {
             source="torchtitan benchmarks/llama3_h100_202412_torchtitan.md (Grand Teton, 8 H100 "
                    "per host on NVLink, 96 GB HBM2e, 500 W power limit, 400 Gb/s RDMA per GPU; "
                    "MFU there is computed against the SXM part's 989 TF); peak rates, NVLink "
-                   f"and memory bandwidth as the H100 SXM ({_NVIDIA}): none is published for "
-                   "this part, so the power cap's lower clocks are not modelled; "
-                   + _ASSUMED),
+                   f"and memory bandwidth as the H100 SXM ({_NVIDIA}), and its matmul and "
+                   f"attention efficiency ({_MAMF}; {_FLASH}): none is published for this "
+                   "part, so the power cap's lower clocks are not modelled; " + _ASSUMED),
         ClusterSpec(
             name="h200", device="NVIDIA H200-SXM-141GB", gpus_per_node=8,
             # 141 GB datasheet; nvidia-smi shows ~140 GiB, so round down to that
-            memory_bytes=140 * GiB, flops=67e12, compute_efficiency=0.5,
+            memory_bytes=140 * GiB, flops=67e12, compute_efficiency=H100_MAMF,
+            attention_efficiency=H100_FLASH,
             intra_node_bandwidth=450e9, intra_node_latency=5e-6,
             inter_node_bandwidth=50e9, inter_node_latency=1e-5, memory_bandwidth=4.8e12,
             elementwise_bandwidth=ELEMENTWISE_SHARE * 4.8e12,
             bf16_flops=989e12,
             source=f"{_NVIDIA} H200 SXM (FP32 67 TF; TF32 dense 495 TF; BF16 dense 989 TF; "
                    "HBM3e 4.8 TB/s; NVLink4 900 GB/s bidirectional); DGX H200 datasheet: "
-                   "one 400 Gb/s NDR HCA per GPU; " + _ASSUMED),
+                   f"one 400 Gb/s NDR HCA per GPU; {_MAMF}: the H100 SXM's 794.5 TF (the "
+                   f"same die and clocks; the table's GH200 is a 900 W part); {_FLASH} (the "
+                   "H100's 35%); " + _ASSUMED),
         ClusterSpec(
             # Ranks are processes sharing a few cores and talking through gloo; every rank is
             # on one "node" so the planner never prices a network it does not have.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 
 import pytest
@@ -11,6 +12,7 @@ import torch
 import piper
 from cost_models import CATALOG, ClusterSpec, ModelCosts, model_costs, task_costs
 from cost_models.analytical import (
+    ATTENTION_BACKWARD_RATIO,
     BACKWARD_FLOPS_RATIO,
     CAUSAL_WORK,
     UPDATE_BYTES_PER_PARAM,
@@ -45,7 +47,7 @@ def test_a_causal_fused_attention_is_timed_at_half_its_counted_flops(costs: Mode
     attention = [g for g in costs.ops[i] if g.work != 1.0]
     assert [(g.flops, g.work) for g in attention] == [(2 * (2 * b * t * t * d), CAUSAL_WORK)]
     flat = dataclasses.replace(CATALOG["h100-80gb"], matmul_half_flops=0.0, op_overhead_s=0.0,
-                               elementwise_bandwidth=None)
+                               elementwise_bandwidth=None, attention_efficiency=None)
     whole = dataclasses.replace(costs, ops=tuple(
         tuple(dataclasses.replace(g, work=1.0) for g in groups) for groups in costs.ops))
     half, full = (c.chunk_seconds(["layer.1"], b, flat)[0] for c in (costs, whole))
@@ -116,17 +118,28 @@ def test_compute_durations_are_flops_over_effective_rate(
     flops = costs.forward_flops_of(plan.stage_regions[1], 4)
     assert flops == 2 * costs.forward_flops_of(plan.stage_regions[1], costs.batch)
     fwd = tc.duration(2, _task(plan, 2, Kind.FWD))
+    groups = [g for r in plan.stage_regions[1] for g in costs.ops[costs.regions.index(r)]]
     # what the kernels run: a causal attention's counted FLOPs at its share
-    timed = sum(g.flops * g.work * g.count for r in plan.stage_regions[1]
-                for g in costs.ops[costs.regions.index(r)]) * 4 / costs.batch
+    timed = sum(g.flops * g.work * g.count for g in groups) * 4 / costs.batch
     assert timed < flops
-    # and the ops without matmul math stream their bytes at the elementwise bandwidth
-    moved = sum(g.nbytes * g.count for r in plan.stage_regions[1]
-                for g in costs.ops[costs.regions.index(r)] if not g.flops) * 4 / costs.batch
+    # each matmul at the rate its math reaches, slowed by the bytes its operands stream;
+    # the ops without matmul math stream their bytes at the elementwise bandwidth
+    # (a fused attention at the catalog's flash-attention share of the peak)
+    bw, scale = c.elementwise_bandwidth, 4 / costs.batch
+    rate = {False: c.flops * c.compute_efficiency, True: c.flops * c.attention_efficiency}
+    mm = [g.count * math.hypot(g.flops * g.work * scale / rate[g.attention],
+                               g.nbytes * scale / bw)
+          for g in groups if g.flops]
+    assert all(g.nbytes > 0 for g in groups if g.flops)
+    moved = sum(g.nbytes * g.count for g in groups if not g.flops) * scale
     assert moved > 0
-    assert fwd == pytest.approx(timed / (c.flops * c.compute_efficiency)
-                                + moved / c.elementwise_bandwidth)
-    assert tc.duration(2, _task(plan, 2, Kind.BWD)) == pytest.approx(BACKWARD_FLOPS_RATIO * fwd)
+    assert fwd == pytest.approx(sum(mm) + moved / bw)
+    # a fused attention's backward recomputes its scores: 2.5 forwards, the rest 2
+    back = sum(t * (ATTENTION_BACKWARD_RATIO if g.attention else BACKWARD_FLOPS_RATIO)
+               for t, g in zip(mm, [g for g in groups if g.flops], strict=True))
+    assert any(g.attention for g in groups)
+    assert tc.duration(2, _task(plan, 2, Kind.BWD)) == pytest.approx(
+        back + BACKWARD_FLOPS_RATIO * moved / bw)
     params = costs.params_of(plan.stage_regions[1])
     assert tc.duration(2, _task(plan, 2, Kind.UPDATE)) == pytest.approx(
         UPDATE_BYTES_PER_PARAM * params / c.memory_bandwidth)

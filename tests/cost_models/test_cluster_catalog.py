@@ -135,6 +135,8 @@ def test_negative_measured_figures_are_refused(field: str) -> None:
 def test_gpu_entries_say_which_figures_are_datasheet_and_which_assumed(name: str) -> None:
     src = CATALOG[name].source
     assert "datasheet" in src and "assumed" in src and "compute_efficiency" in src
+    assert "mamf-finder" in src and "FlashAttention" in src  # measured, with their sources
+    assert 0 < CATALOG[name].attention_efficiency < CATALOG[name].compute_efficiency
     assert CATALOG[name].bf16_flops > CATALOG[name].flops
 
 

@@ -8,8 +8,13 @@ from collections.abc import Callable
 import pytest
 
 from cost_models import ClusterSpec, ModelCosts, task_costs
-from cost_models.analytical import BACKWARD_FLOPS_RATIO, UPDATE_BYTES_PER_PARAM
+from cost_models.analytical import (
+    ATTENTION_BACKWARD_RATIO,
+    BACKWARD_FLOPS_RATIO,
+    UPDATE_BYTES_PER_PARAM,
+)
 from piper.dag import Kind
+from piper.errors import PiperError
 from runtime.plan import Plan
 
 
@@ -21,6 +26,34 @@ def test_matmul_rate_is_half_of_peak_at_the_half_size_and_saturates(
     assert c.matmul_rate(1e3) < c.matmul_rate(1e6) < c.matmul_rate(1e9)
     flat = ideal_cluster(flops=1e12, compute_efficiency=0.8)
     assert flat.matmul_rate(1e3) == flat.matmul_rate(1e12) == pytest.approx(0.8e12)
+
+
+def test_a_matmul_is_bound_by_its_math_or_the_bytes_it_streams_and_slowed_near_both(
+        ideal_cluster: Callable[..., ClusterSpec]) -> None:
+    c = ideal_cluster(flops=1e12, compute_efficiency=0.5, elementwise_bandwidth=1e9)
+    # wide operands: the math alone (0.5 TF/s); thin ones: the bytes alone (1 GB/s)
+    assert c.matmul_seconds(1e12, 1e3) == pytest.approx(2.0, rel=1e-6)
+    assert c.matmul_seconds(1e3, 1e9) == pytest.approx(1.0, rel=1e-6)
+    # at the ridge point, neither bound is reached: sqrt(2) times either
+    assert c.matmul_seconds(1e12, 2e9) == pytest.approx(2.0 * 2 ** 0.5)
+    assert c.matmul_seconds(1e12, 2e9) > c.matmul_seconds(1e12, 1e9) > 2.0
+    # a spec without a streaming rate (a profiled CPU) times the math alone
+    cpu = ideal_cluster(flops=1e12, compute_efficiency=0.5)
+    assert cpu.matmul_seconds(1e12, 1e12) == pytest.approx(2.0)
+
+
+def test_a_fused_attention_runs_at_its_own_share_of_the_peak(
+        ideal_cluster: Callable[..., ClusterSpec]) -> None:
+    c = ideal_cluster(flops=1e12, bf16_flops=4e12, compute_efficiency=0.8,
+                      attention_efficiency=0.4)
+    assert c.matmul_seconds(1e12, 0, attention=True) == pytest.approx(1 / 0.4)
+    assert c.matmul_seconds(4e12, 0, True, attention=True) == pytest.approx(1 / 0.4)
+    assert c.matmul_seconds(1e12, 0) == pytest.approx(1 / 0.8)
+    # without a figure of its own, attention runs as any matmul
+    plain = ideal_cluster(flops=1e12, compute_efficiency=0.8)
+    assert plain.matmul_seconds(1e12, 0, attention=True) == pytest.approx(1 / 0.8)
+    with pytest.raises(PiperError, match="attention_efficiency"):
+        ideal_cluster(attention_efficiency=1.5)
 
 
 def test_16_bit_matmuls_run_at_the_16_bit_peak(ideal_cluster: Callable[..., ClusterSpec]
@@ -38,14 +71,18 @@ def test_chunk_time_is_matmuls_on_the_curve_plus_an_overhead_per_other_op(
     groups = costs.ops[costs.regions.index("layer.0")]
     samples = 4 * costs.batch
     # each matmul at its size's rate (a causal attention: the share its kernel runs)
-    mm = sum(g.count * g.flops * g.work * 4
-             / (1e9 * g.flops * g.work * 4 / (g.flops * g.work * 4 + 2e5))
-             for g in groups if g.flops)
+    each = [(g, g.count * g.flops * g.work * 4
+             / (1e9 * g.flops * g.work * 4 / (g.flops * g.work * 4 + 2e5)))
+            for g in groups if g.flops]
+    mm = sum(t for _, t in each)
     others = sum(g.count for g in groups if not g.flops)
     assert mm > 0 and others > 0
     fwd, bwd = costs.chunk_seconds(["layer.0"], samples, c)
     assert fwd == pytest.approx(mm + others * 1e-5)
-    assert bwd == pytest.approx(BACKWARD_FLOPS_RATIO * mm + others * 3e-5)
+    # the fused attention's backward recomputes its scores: 2.5 forwards, the rest 2
+    assert bwd == pytest.approx(sum(
+        t * (ATTENTION_BACKWARD_RATIO if g.attention else BACKWARD_FLOPS_RATIO)
+        for g, t in each) + others * 3e-5)
 
 
 def test_small_matmuls_cost_more_per_flop(costs: ModelCosts,

@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import csv
 import dataclasses
+import importlib.util
 import json
 import statistics
 import sys
@@ -31,6 +32,7 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -180,13 +182,8 @@ def torchtitan() -> list[Run]:
             assumed: str = "", schedule: str = "1f1b", v: int = 1) -> None:
         gbs = local_bs * fsdp
         step = gbs * seq / (gpus * tps)
-        d = dict(size[1:])
-        base = {"llama3-8b": (4096, 32, 8, 14336), "llama3-70b": (8192, 64, 8, 28672),
-                "405b": (16384, 128, 8, 53248), "70b": (8192, 64, 8, 28672),
-                "7b": (4096, 32, 32, 11008)}[size[0][1]]
-        h, heads, kv, ffn = (d.get("dim", base[0]), d.get("heads", base[1]),
-                             d.get("kv_heads", base[2]), d.get("ffn", base[3]))
-        layer = 2 * h * h + 2 * h * (h // heads * kv) + 3 * h * ffn
+        c = llama_config(size)
+        layer = 2 * c.dim ** 2 + 2 * c.dim * (c.dim // c.heads * c.kv_heads) + 3 * c.dim * c.ffn
         out.append(Run("torchtitan", label, LLAMA, size, cluster, gpus, tp, pp, fsdp,
                        local_bs if pp == 1 else 1, gbs, step, zero=3, schedule=schedule,
                        v=v, recompute=recompute, approx=approx, assumed=assumed,
@@ -237,15 +234,23 @@ def llama3_paper() -> list[Run]:
     return out
 
 
-def llama_params(vocab: int, dim: int, layers: int, heads: int, kv_heads: int, ffn: int
-                 ) -> int:
+def llama_config(args: tuple[tuple[str, object], ...]) -> Any:
+    """`examples/llama.py`'s config for --model-arg pairs (a size and dims over it)."""
+    spec = importlib.util.spec_from_file_location("_llama_example", LLAMA)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    d = dict(args)
+    return dataclasses.replace(module.CONFIGS[d.pop("size")], **d)
+
+
+def llama_params(c: Any) -> int:
     """Parameters of a Llama (untied embedding and output, no biases, two norms a layer)."""
-    kv = dim // heads * kv_heads
-    layer = 2 * dim * dim + 2 * dim * kv + 3 * dim * ffn + 2 * dim
-    return 2 * vocab * dim + layers * layer + dim
+    kv = c.dim // c.heads * c.kv_heads
+    layer = 2 * c.dim * c.dim + 2 * c.dim * kv + 3 * c.dim * c.ffn + 2 * c.dim
+    return 2 * c.vocab * c.dim + c.layers * layer + c.dim
 
 
-_LLAMA_405B_PARAMS = llama_params(128256, 16384, 126, 128, 8, 53248)  # 405.9e9
+_LLAMA_405B_PARAMS = llama_params(llama_config((("size", "405b"),)))  # 405.9e9
 
 
 def mpt() -> list[Run]:
@@ -309,10 +314,7 @@ class Evaluators:
             spec = load_model_file(run.model, run.args)
             self.cache[spec_key] = Evaluator(spec, run.gpus, run.gbs, cluster,
                                              precision="bf16-mixed")
-        base = self.cache[spec_key]
-        ev = dataclasses.replace(base, gpus=run.gpus, batch_size=run.gbs, cluster=cluster)
-        ev.__dict__["captured"] = base.captured  # the capture depends on the shape alone
-        return ev
+        return self.cache[spec_key].on(cluster, run.gpus, run.gbs)
 
 
 def simulate(run: Run, evaluators: Evaluators) -> Result:

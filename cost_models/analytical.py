@@ -12,6 +12,7 @@ a Plan with.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -366,6 +367,12 @@ class TaskCosts:
     early_buckets: frozenset[int] = frozenset()
     """Stages whose all-reduce buckets (inside their last backward) or ZeRO-2/3 unit
     reduce-scatters (inside every backward) start early (`runtime.buckets`)."""
+    units: tuple[int, ...] = ()
+    """Per stage, the ZeRO-3 units its chunks gather one by one (`runtime.unit_gather`):
+    the ALL_GATHER before a chunk brings the first, the chunk the others, each one ahead
+    of the ops that read it; 0 or 1: the ALL_GATHER brings the stage whole."""
+    unit_groups: tuple[tuple[int, ...], ...] = ()
+    """Per stage, the data-parallel group those gathers run over (as its ALL_GATHER's)."""
     _bytes: dict[str, int] = field(init=False, repr=False, compare=False, hash=False)
 
     def __post_init__(self) -> None:
@@ -375,20 +382,40 @@ class TaskCosts:
         """Busy time of `task` on `rank`'s stream."""
         k = task.kind
         if k.is_compute:
-            return (self._compute(task) * self.cluster.runtime_compute_factor
-                    + self.cluster.task_overhead_s)
+            busy = self._compute(task) * self.cluster.runtime_compute_factor
+            return busy + self._exposed_gathers(task, busy) + self.cluster.task_overhead_s
         if k is Kind.SEND:
             # isend: the sender posts it and moves on; the wire time is `transfer`
             return self.cluster.send_overhead_s + self.cluster.task_overhead_s
         if k is Kind.RECV:  # dry_run adds the wait until arrival
             return self.cluster.task_overhead_s
         kind = _COLLECTIVE.get(k)
+        if k is Kind.ALL_GATHER and self._units(task.stage) > 1:  # the chunk's first unit
+            return self._unit_gather(task.stage, task.group) + self.cluster.task_overhead_s
         if kind is not None and self.bucket_bytes and not task.values:
             return self._bucketed(task, kind) + self.cluster.task_overhead_s
         if kind is not None:  # ZeRO gathers parameters and scatters gradients of full size
             return comm.collective_time(kind, self._bytes_of(task), task.group,
                                         self.cluster) + self.cluster.task_overhead_s
         raise NotImplementedError(f"no cost model for task kind {k.name} ({task.name})")
+
+    def _units(self, stage: int) -> int:
+        return self.units[stage] if self.units else 0
+
+    def _unit_gather(self, stage: int, group: tuple[int, ...]) -> float:
+        """One unit's all-gather (the stage's gathered bytes split evenly)."""
+        nbytes = self._bytes_of(Task(Kind.ALL_GATHER, stage)) / self._units(stage)
+        return comm.collective_time(comm.ALL_GATHER, round(nbytes), group, self.cluster)
+
+    def _exposed_gathers(self, task: Task, busy: float) -> float:
+        """What a chunk waits for its units' gathers inside it: unit j + 1's starts when
+        unit j's ops do, so each of the n - 1 shows past its 1/n of the chunk's compute.
+        W reads no parameters (I kept what it multiplies)."""
+        n = self._units(task.stage)
+        if n < 2 or task.kind not in (Kind.FWD, Kind.BWD, Kind.BWD_I):
+            return 0.0
+        gather = self._unit_gather(task.stage, self.unit_groups[task.stage])
+        return (n - 1) * max(0.0, gather - busy / n)
 
     def _bytes_of(self, task: Task) -> int:
         """What a stage's collective moves: parameters (a gather) or gradients."""
@@ -511,6 +538,7 @@ def task_costs(plan: Plan, costs: ModelCosts, cluster: ClusterSpec,
     update = tuple(n * per_tensor + (UPDATE_BYTES_PER_PARAM * p / shards / bw if bw else 0.0)
                    for n, p in zip(tensors, params, strict=True))
     scale = microbatch_size / plan.model.batch
+    units, groups = zero3_units(plan, costs, params)
     return TaskCosts(
         cluster=cluster,
         forward_s=fwd,
@@ -524,4 +552,22 @@ def task_costs(plan: Plan, costs: ModelCosts, cluster: ClusterSpec,
         recompute_s=rec if again else (),
         bucket_bytes=plan.bucket_bytes,
         early_buckets=early_stages(plan) | early_reduce_scatters(plan),
+        units=units,
+        unit_groups=groups,
     )
+
+
+def zero3_units(plan: Plan, costs: ModelCosts, params: Sequence[int]
+                ) -> tuple[tuple[int, ...], tuple[tuple[int, ...], ...]]:
+    """Per stage, how many ZeRO-3 units `runtime.zero` makes of its parameters (units of at
+    most `plan.bucket_bytes` of parameter bytes) and the group an ALL_GATHER of it uses;
+    empty where the plan gathers stages whole."""
+    if plan.zero != 3 or not plan.bucket_bytes:
+        return (), ()
+    groups: dict[int, tuple[int, ...]] = {}
+    for rp in plan.ranks:
+        for t in rp.tasks:
+            if t.kind is Kind.ALL_GATHER:
+                groups.setdefault(t.stage, t.group)
+    units = tuple(math.ceil(costs.element_size * p / plan.bucket_bytes) for p in params)
+    return units, tuple(groups.get(s, ()) for s in range(len(params)))

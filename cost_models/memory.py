@@ -4,11 +4,11 @@ Static bytes follow the ZeRO paper's accounting (Rajbhandari et al. 2020) for an
 with AdamW: K = 16 bytes per parameter at ZeRO-0 (value 4 + gradient 4 + two moments 8).
 Over N data-parallel replicas, ZeRO-1 shards the optimizer state (4 + 4 + 8/N), ZeRO-2 also
 the gradients (4 + 12/N), ZeRO-3 everything (16/N). ZeRO-3 adds the stage's gathered
-parameters while one of its chunks runs; ZeRO-2/3 add a microbatch's full gradient from its
-backward to its reduce-scatter, or with units whose reduce-scatters start inside the
-backward (`runtime.zero`) at most two units of it. Activations of a microbatch live from
-the start of its forward to the end of its backward, which is what separates GPipe from 1F1B. They are what
-autograd saves (`cost_models.saved`); on a recomputed stage (`piper.Recompute`) a
+parameters while one of its chunks runs (in units, two units: `runtime.unit_gather`);
+ZeRO-2/3 add a microbatch's full gradient from its backward to its reduce-scatter, or with
+units whose reduce-scatters start inside the backward (`runtime.zero`) at most two units
+of it. Activations of a microbatch live from the start of its forward to the end of its
+backward, which is what separates GPipe from 1F1B. They are what autograd saves (`cost_models.saved`); on a recomputed stage (`piper.Recompute`) a
 microbatch keeps only its regions' inputs, and a backward rebuilds one region's saved
 tensors at a time.
 """
@@ -123,6 +123,11 @@ class StageMemory:
         size = gathered_element_size(costs, zero)  # ZeRO-3's gathered copies, their grads
         full = tuple(size * costs.params_of(rs) for rs in stage_regions)
         none = tuple(0 for _ in full)
+        gathered = full
+        if zero == 3 and bucket_bytes:  # FSDP's units gathered inside the chunk: two at most
+            gathered = tuple(min(f, 2 * size * max(bucket_bytes // costs.element_size,
+                                                   costs.largest_param_of(rs) or 0))
+                             for f, rs in zip(full, stage_regions, strict=True))
         grad = list(full if zero >= 2 else none)
         for s in early:
             largest = costs.largest_param_of(stage_regions[s])
@@ -130,7 +135,7 @@ class StageMemory:
                 unit = max(bucket_bytes, size * largest)
                 grad[s] = min(grad[s], 2 * unit)
         return StageMemory(act, tuple(r for r, _ in extra), tuple(h for _, h in extra),
-                           full if zero == 3 else none, tuple(grad), again)
+                           gathered if zero == 3 else none, tuple(grad), again)
 
     def peak(self, base: int, tasks: Iterable[tuple[Kind, int]]) -> int:
         """The highest total over `tasks` (kind, stage) run in order from `base` bytes: a

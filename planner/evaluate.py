@@ -69,12 +69,11 @@ class Evaluator:
     fold: bool = True
     """Trace two copies of each repeated layer and grow the rest (`planner.repeats`): the
     same graph and costs, a fraction of the capture time."""
-    _sharded: dict[ModelSharding, tuple[ModelCosts, InGraphComm]] = field(
+    _sharded: dict[ModelSharding, tuple[ModelCosts, InGraphComm, dict[str, float]]] = field(
         default_factory=dict, repr=False)
     _stage_cuts: dict[tuple, tuple[list, list]] = field(default_factory=dict, repr=False)
     _shardings: dict[tuple, ModelSharding] = field(default_factory=dict, repr=False)
     _last_plan: tuple[Program, Plan] | None = field(default=None, repr=False)
-    _crossing: dict[ModelSharding, dict[str, float]] = field(default_factory=dict, repr=False)
 
     @cached_property
     def captured(self) -> PlanningCapture:
@@ -101,12 +100,28 @@ class Evaluator:
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state, spec=load_model(*state["spec"]))
 
+    def on(self, cluster: ClusterSpec, gpus: int, batch_size: int) -> Evaluator:
+        """This model on another cluster, device count or batch: the captures and what is
+        priced from them (they depend on the model and precision alone) are shared."""
+        other = dataclasses.replace(self, cluster=cluster, gpus=gpus, batch_size=batch_size,
+                                    _last_plan=None)
+        for name in ("captured", "costs", "dag"):
+            if name in self.__dict__:
+                other.__dict__[name] = self.__dict__[name]
+        other._sharded = self._sharded
+        return other
+
     @cached_property
     def dag(self) -> TrainingDAG:
         return single_device_dag(self.captured.graph)
 
     def sharded_costs(self, sharding: ModelSharding) -> tuple[ModelCosts, InGraphComm]:
         """Costs of one rank's tensor/expert-parallel slice (captured once per sharding)."""
+        return self._slice(sharding)[:2]
+
+    def _slice(self, sharding: ModelSharding
+               ) -> tuple[ModelCosts, InGraphComm, dict[str, float]]:
+        """`sharded_costs`, and the share of each value crossing stages a rank holds."""
         if sharding not in self._sharded:
             try:
                 cap = planning_capture(self.spec, CAPTURE_BATCH, sharding, fold=self.fold)
@@ -115,8 +130,8 @@ class Evaluator:
                                  f"way (e.g. heads not divisible by tp): {e}") from None
             assert cap.traffic is not None
             costs = with_precision(cap.costs, self.precision)
-            self._sharded[sharding] = (costs, cap.traffic.in_precision(costs))
-            self._crossing[sharding] = self._crossing_share(cap.graph, sharding)
+            self._sharded[sharding] = (costs, cap.traffic.in_precision(costs),
+                                       self._crossing_share(cap.graph, sharding))
         return self._sharded[sharding]
 
     def _crossing_share(self, graph: ModelGraph, sharding: ModelSharding) -> dict[str, float]:
@@ -165,7 +180,7 @@ class Evaluator:
         again = next((d.chosen(len(regions)) for d in ds if isinstance(d, Recompute)), ())
         orders = [d for d in ds if isinstance(d, Order)]
         dp, zero = (rep.degree, rep.zero) if rep else (1, 0)
-        bucket = max(1, round(rep.bucket_mb * 2**20)) if rep and rep.bucket_mb else 0
+        bucket = rep.bucket_bytes if rep else 0
         moved = [k for d in ds if isinstance(d, Stream) for k in d.kinds.split()]
         return max(device_peaks(
             regions, devices, orders, dp=dp, zero=zero, costs=costs,
@@ -180,7 +195,7 @@ class Evaluator:
         parallelism (a search scores each of a point's `SearchSpace.variants`) share one DAG
         and schedule: those change how tasks are priced, not which tasks run."""
         rep = next((d for d in program.directives if isinstance(d, Replicate)), None)
-        bucket = rep.bucket_mb if rep else None
+        bucket = rep.bucket_bytes if rep else 0
         sp = any(isinstance(d, ShardTensor) and d.sequence_parallel
                  for d in program.directives)
         key = Program([dataclasses.replace(d, bucket_mb=None) if d is rep
@@ -197,8 +212,7 @@ class Evaluator:
             last = self._last_plan = (key, schedule(apply_for(key, dag, self.gpus),
                                                     check=False))
         plan = last[1]
-        return dataclasses.replace(plan, bucket_bytes=max(1, round(bucket * 2**20))
-                                   if bucket else 0,
+        return dataclasses.replace(plan, bucket_bytes=bucket,
                                    sharding=dataclasses.replace(plan.sharding, sp=sp))
 
     def evaluate(self, program: Program) -> Evaluation:
@@ -213,9 +227,8 @@ class Evaluator:
         if plan.sharding.trivial:
             pred = simulate(plan, self.costs, self.cluster, mb)
         else:  # the rank's slice of the math, plus the collectives inside its chunks
-            costs, traffic = self.sharded_costs(plan.sharding)
+            costs, traffic, share = self._slice(plan.sharding)
             tc = task_costs(plan, costs, self.cluster, mb)
-            share = self._crossing.get(plan.sharding, {})
             if share:  # what crosses stages is 1/tp of the sequence per rank
                 tc = dataclasses.replace(tc, value_bytes=tuple(
                     (v, round(b * share.get(v, 1.0))) for v, b in tc.value_bytes))

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from contextlib import nullcontext
 from typing import Any
 
@@ -33,9 +33,10 @@ from runtime.stage_module import StageModule, build_stage
 from runtime.step_state import Saved, StepOutcome, StepState, accumulate, to_device
 from runtime.streams import DeviceStreams
 from runtime.training import TrainConfig, make_optimizer
+from runtime.unit_gather import UnitGathers, bracketed
 from runtime.updates import Updater
 from runtime.weight_grad import WeightGradStore, collecting
-from runtime.zero import ShardedStage
+from runtime.zero import ShardedStage, storage_key
 
 
 class RankExecutor:
@@ -79,6 +80,7 @@ class RankExecutor:
         self.slot: dict[int, list[int]] = {}  # input position -> index into params[s] or -1
         self.optim: dict[int, torch.optim.Optimizer] = {}
         self.sharded: dict[int, ShardedStage] = {}
+        self.unit_gathers: dict[int, UnitGathers] = {}  # ZeRO-3 stages in several units
         self.names: dict[Any, list[str]] = {}  # per optimizer: its parameters' model names
         names = plan.model.names
         # stages whose backward is split: their matmuls against parameters defer the weight
@@ -100,11 +102,7 @@ class RankExecutor:
         for s in self.rp.stages:
             regions = {names.index(r) for r in plan.stage_regions[s]}
             sm = renamed(build_stage(captured, regions, device), rename)
-            if s in self.split:
-                sm = deferring(sm)
-            if s in plan.recompute:  # regions keep their inputs, rebuilt in backward
-                sm = recomputing(sm, captured.node_region)
-            self.stages[s] = sm
+            node_region: Mapping[str, int] = captured.node_region
             fixed: list[torch.Tensor | None] = []
             ps: list[torch.nn.Parameter] = []
             self.apart[s] = []
@@ -128,20 +126,29 @@ class RankExecutor:
                             if kind == "param" and key not in tied | experts else -1
                             for kind, key in sm.inputs]
             self.inputs[s] = fixed
-            if not self.params[s]:
-                continue  # nothing to update (or communicate) for a parameter-free stage
-            if plan.zero:
+            if self.params[s] and plan.zero:
                 first = self.rp.device * plan.dp
                 ranks = self.mesh.lift(tuple(range(first, first + plan.dp)), self.tp_rank)
-                self.sharded[s] = ShardedStage(self.params[s], plan.zero, groups[ranks],
-                                               self.rp.replica, plan.dp, plan.bucket_bytes,
-                                               train.grad_reduce_dtype, train.compute_dtype)
+                shard = self.sharded[s] = ShardedStage(
+                    self.params[s], plan.zero, groups[ranks], self.rp.replica, plan.dp,
+                    plan.bucket_bytes, train.grad_reduce_dtype, train.compute_dtype)
+                if plan.zero == 3 and len(shard.units) > 1:  # FSDP: two units at most
+                    sm, self.unit_gathers[s], inserted = bracketed(sm, {
+                        i: shard.unit_of(k) for i, k in enumerate(self.slot[s]) if k >= 0},
+                        captured.node_region)
+                    self.unit_gathers[s].shard = shard
+                    node_region = {**captured.node_region, **inserted}
                 self.names[s] = [canon[id(p)] for p in self.params[s]]
                 self.params[s] = []  # the full copies are released; the flat buffer rules
                 self.inputs[s] = [None if k >= 0 else t for t, k in zip(fixed, self.slot[s])]
-                self.optim[s] = make_optimizer(spec, self.sharded[s].shards, train)
-            else:
+                self.optim[s] = make_optimizer(spec, shard.shards, train)
+            elif self.params[s]:
                 self.optim[s] = make_optimizer(spec, self.params[s], train)
+            if s in self.split:
+                sm = deferring(sm)
+            if s in plan.recompute:  # regions keep their inputs, rebuilt in backward
+                sm = recomputing(sm, node_region)
+            self.stages[s] = sm
         for key, ps in self.params.items():
             if isinstance(key, tuple):
                 self.optim[key] = make_optimizer(spec, ps, train)  # type: ignore[index]
@@ -401,7 +408,9 @@ class RankExecutor:
         elif task.kind is Kind.ALL_GATHER and self.updater.waiting(task.stage):
             st.gathers.append(task.stage)  # gathers the step's update: after it (clipping)
         elif task.kind is Kind.ALL_GATHER:
-            self.sharded[task.stage].materialize()
+            ug = self.unit_gathers.get(task.stage)  # FSDP: the unit the chunk reads first
+            self.sharded[task.stage].materialize(
+                None if ug is None else [ug.last if task.grad else ug.first])
         elif task.kind is Kind.REDUCE_SCATTER:
             sh = self.sharded[task.stage]
             self.streams.keep(sh.pending_grads())
@@ -459,10 +468,13 @@ class RankExecutor:
         # what a chunk keeps has the same size for every microbatch (static shapes): it is
         # counted once per stage, through saved-tensor hooks that cost ~1% of a chunk
         counted = self.activation_bytes.get(task.stage)
-        kept = SavedTensors(exclude={t.untyped_storage().data_ptr() for (k, _), t in
+        kept = SavedTensors(exclude={storage_key(t) for (k, _), t in
                                      zip(sm.inputs, args) if k in ("param", "buffer")}
                             ) if counted is None else None
         counting = kept.counting if kept is not None else nullcontext
+        ug = self.unit_gathers.get(task.stage)
+        if ug is not None:
+            ug.backward = False
         with collecting(deferred), counting(), self.autocast():
             outs = dict(zip(sm.outputs, sm.module(*args)))
         if shard is not None and shard.zero == 3:
@@ -509,9 +521,15 @@ class RankExecutor:
         early = shard is not None and task.stage in self.early_rs
         if early:  # ZeRO-2/3 units: each reduce-scatter starts once its gradient is final
             shard.arm(saved.views)
+        ug = self.unit_gathers.get(task.stage)
+        done = ug.free_when_done(saved.views) if ug is not None else []
+        if ug is not None:
+            ug.backward = True  # brackets a recompute re-runs gather and never free
         if roots and leaves + weights:
             # backward(inputs=...) accumulates into .grad in place, as eager training does
             torch.autograd.backward(roots, seeds, inputs=leaves + weights)
+        for h in done:
+            h.remove()
         if armed:
             self.buckets[task.stage].disarm()
         if early:

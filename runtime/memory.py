@@ -113,8 +113,8 @@ class SavedTensors:
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
         st = t.untyped_storage()
-        if st.data_ptr() not in self.exclude:
-            self.storages[st.data_ptr()] = st.nbytes()
+        if st._cdata not in self.exclude:  # `runtime.zero.storage_key`: stable when freed
+            self.storages[st._cdata] = st.nbytes()
         return t
 
     @staticmethod
@@ -136,7 +136,7 @@ class SavedTensors:
         seen = dict(self.storages)
         for t in tensors:
             st = t.untyped_storage()
-            seen[st.data_ptr()] = st.nbytes()
+            seen[st._cdata] = st.nbytes()
         return sum(seen.values())
 
 

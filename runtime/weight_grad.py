@@ -125,7 +125,7 @@ class _WeightMatmul(torch.autograd.Function):
     def forward(ctx: Any, kind: str, x: torch.Tensor, w: torch.Tensor,
                 b: torch.Tensor | None, wkey: int, bkey: int) -> torch.Tensor:
         store = getattr(_local, "store", None)
-        if store is not None and x.untyped_storage().data_ptr() in store.volatile:
+        if store is not None and x.untyped_storage()._cdata in store.volatile:
             store = None  # x is freed before W could read it
         ctx.kind, ctx.store, ctx.keys = kind, store, (wkey, bkey if b is not None else -1)
         ctx.save_for_backward(x, w)

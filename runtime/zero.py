@@ -10,7 +10,10 @@ saved keep pointing at the same storage, which holds the same values whenever it
 Without a bucket cap the whole stage is one buffer (one FSDP unit). With one
 (`Replicate(zero=..., bucket_mb=...)`) consecutive parameters are grouped into units of at
 most that many bytes, in reverse order as DDP's buckets, each its own buffer and shard and
-each gathered and reduce-scattered on its own. Where backward may start collectives (`arm`),
+each gathered and reduce-scattered on its own. Under ZeRO-3 a chunk then holds at most two
+units at once, as FSDP does: the one its ops read and the next, prefetched
+(`runtime.unit_gather` gathers and frees them inside the chunk; `gather`, `prefetch`,
+`release` here). Where backward may start collectives (`arm`),
 a unit's reduce-scatter starts as soon as backward has finished its parameters' gradients
 (a post-accumulate-grad hook per view), and its flat gradient is dropped once the next
 unit's starts: a microbatch's unsharded gradient is then never whole.
@@ -29,6 +32,12 @@ from runtime.buckets import bucket_indices
 
 def _nbytes(t: torch.Tensor | None) -> int:
     return 0 if t is None else t.numel() * t.element_size()
+
+
+def storage_key(t: torch.Tensor) -> int:
+    """A tensor's storage, the same while it is freed and gathered again (its address is
+    not: a refill allocates anew)."""
+    return t.untyped_storage()._cdata
 
 
 class _Unit:
@@ -106,6 +115,7 @@ class ShardedStage:
         self._inflight: list[tuple[_Unit, Any, torch.Tensor, torch.Tensor]] = []
         self._hooks: list[Any] = []
         self._early: set[int] = set()  # units whose reduce-scatter the backward started
+        self._gathering: dict[int, tuple[Any, torch.Tensor]] = {}  # unit -> (work, source)
         if zero == 3:
             self.free()
 
@@ -121,9 +131,15 @@ class ShardedStage:
         final: a unit's reduce-scatter need not wait for the rest of the backward)."""
         out: list[torch.Tensor] = [None] * len(self._where)  # type: ignore[list-item]
         for u in self.units:
+            storage = u.flat.untyped_storage()
+            freed = storage.nbytes() == 0  # a unit gathered inside the chunk: a view
+            if freed:                      # needs its storage's size, not its values
+                storage.resize_(u.nbytes)
             base = u.flat.detach()  # its version counter: `materialize` writes past it
             for j in range(len(u.shapes)):
                 out[u.first + j] = u.view(base, j).requires_grad_(True)
+            if freed:
+                storage.resize_(0)
         return out
 
     def _of(self, views: list[torch.Tensor], u: _Unit) -> list[torch.Tensor]:
@@ -135,23 +151,55 @@ class ShardedStage:
         return self.units[k].view(grads[k], j)
 
     def storages(self) -> tuple[int, ...]:
-        """Data pointers of the gathered buffers (a split backward's W must not read them)."""
-        return tuple(u.flat.untyped_storage().data_ptr() for u in self.units)
+        """The gathered buffers' storages (`storage_key`: alive or freed; a split
+        backward's W must not read them)."""
+        return tuple(storage_key(u.flat) for u in self.units)
 
-    def materialize(self) -> None:
-        """All-gather each unit's shards into its flat buffer (its `.data` alias, so
-        autograd's version counter does not see the refill)."""
-        for u in self.units:
-            storage = u.flat.untyped_storage()
-            if storage.nbytes() == 0:
-                storage.resize_(u.nbytes)
-            src = (u.shard.data.to(u.flat.dtype) if self.zero == 3
-                   else u.shard.data.clone())  # no aliasing
-            dist.all_gather_single(u.flat.data, src, group=self.group)
+    def materialize(self, units: list[int] | None = None) -> None:
+        """All-gather each unit's shards (or those of `units`) into its flat buffer (its
+        `.data` alias, so autograd's version counter does not see the refill)."""
+        for k in range(len(self.units)) if units is None else units:
+            self._start_gather(k)
+            self.gather(k)
+
+    def _start_gather(self, k: int) -> None:
+        u = self.units[k]
+        storage = u.flat.untyped_storage()
+        if storage.nbytes() == 0:
+            storage.resize_(u.nbytes)
+        src = (u.shard.data.to(u.flat.dtype) if self.zero == 3
+               else u.shard.data.clone())  # no aliasing
+        self._gathering[k] = (dist.all_gather_single(u.flat.data, src, group=self.group,
+                                                     async_op=True), src)
+
+    def gathered(self, k: int) -> bool:
+        return self.units[k].flat.untyped_storage().nbytes() > 0 and k not in self._gathering
+
+    def prefetch(self, k: int) -> None:
+        """Start unit k's all-gather unless it is gathered or on its way."""
+        if k not in self._gathering and not self.gathered(k):
+            self._start_gather(k)
+
+    def gather(self, k: int) -> None:
+        """Unit k gathered: wait for its prefetch, or gather it now."""
+        self.prefetch(k)
+        work = self._gathering.pop(k, None)
+        if work is not None:
+            work[0].wait()
+
+    def release(self, k: int) -> None:
+        """Free unit k's gathered buffer (a prefetch on its way is waited for first)."""
+        if k in self._gathering:
+            self.gather(k)
+        self.units[k].flat.untyped_storage().resize_(0)
 
     def free(self) -> None:
-        for u in self.units:
-            u.flat.untyped_storage().resize_(0)
+        for k in range(len(self.units)):
+            self.release(k)
+
+    def unit_of(self, i: int) -> int:
+        """The unit parameter i of the stage (a `views` slot) lives in."""
+        return self._where[i][0]
 
     # ---- gradients --------------------------------------------------------------------
     def arm(self, views: list[torch.Tensor]) -> None:

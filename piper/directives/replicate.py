@@ -54,6 +54,12 @@ class Replicate(Directive):
     bucket_mb: float | None = None
     phase = 3
 
+    @property
+    def bucket_bytes(self) -> int:
+        """`bucket_mb` in bytes (0: one collective per stage), as Plans carry it."""
+        b = self.bucket_mb
+        return 0 if b is None else max(1, round(b * 2**20))
+
     def apply(self, dag: TrainingDAG, index: int) -> TrainingDAG:
         if not isinstance(self.degree, int) or self.degree < 1:
             raise DirectiveError(index, self, "degree must be an int >= 1")
@@ -85,8 +91,8 @@ class Replicate(Directive):
                     g.add_edge(ag, n, kind="data")
                 if self.zero in (1, 2) and n.kind is Kind.UPDATE:
                     g.add_edge(n, Node(Kind.ALL_GATHER, n.stage, replica=r), kind="data")
-        bucket = 0 if b is None else max(1, round(b * 2**20))
-        return dag.with_graph(g, dp=self.degree, zero=self.zero, bucket_bytes=bucket)
+        return dag.with_graph(g, dp=self.degree, zero=self.zero,
+                              bucket_bytes=self.bucket_bytes)
 
     def _between(self, b: Node) -> list[Node]:
         if self.zero == 0:

@@ -96,7 +96,20 @@ def test_zero_units_gather_one_collective_each_and_reduce_scatter_early(
     assert tc.early_buckets == frozenset({0, 1})
     one = task_costs(make_plan("1f1b", pp=2, microbatches=4, dp=2, zero=3), costs, c, 4)
     ag, rs = _task(plan, Kind.ALL_GATHER), _task(plan, Kind.REDUCE_SCATTER)
-    assert tc.duration(0, ag) > one.duration(0, ag)  # a latency per unit
+    # the ALL_GATHER brings the chunk's first unit; the chunk gathers the others, each
+    # while the unit before it computes (what does not hide behind 1/n of it shows)
+    from cost_models.comm import ALL_GATHER
+    n = tc.units[0]
+    assert n == -(-costs.element_size * costs.params_of(plan.stage_regions[0])
+                  // plan.bucket_bytes) > 2
+    unit = collective_time(ALL_GATHER, round(tc.gather_bytes[0] / n), ag.group, c)
+    assert tc.duration(0, ag) == pytest.approx(unit + c.task_overhead_s)
+    assert tc.duration(0, ag) < one.duration(0, ag)
+    fwd = _task(plan, Kind.FWD)
+    busy = one.duration(0, fwd) - c.task_overhead_s
+    assert tc.duration(0, fwd) == pytest.approx(
+        busy + (n - 1) * max(0.0, unit - busy / n) + c.task_overhead_s)
+    assert tc.duration(0, fwd) > one.duration(0, fwd)  # slow links: the gathers show
     total, cap = tc.gradient_bytes[0], plan.bucket_bytes
     sizes = [cap] * (total // cap) + [total % cap]
     late = sum(collective_time(REDUCE_SCATTER, n, rs.group, c) for n in sizes)
@@ -108,3 +121,18 @@ def test_zero_units_gather_one_collective_each_and_reduce_scatter_early(
     assert tm.early_buckets == frozenset()
     assert tm.duration(0, _task(moved, Kind.REDUCE_SCATTER)) == pytest.approx(
         late + c.task_overhead_s)
+
+
+def test_zero3_units_hold_two_units_gathered_not_the_stage(make_plan, costs: ModelCosts):
+    from cost_models.analytical import gathered_element_size
+    from cost_models.memory import StageMemory
+
+    plan = make_plan("1f1b", pp=2, microbatches=4, dp=2, zero=3, bucket_mb=0.01)
+    size = gathered_element_size(costs, 3)
+    whole = StageMemory.of(plan.stage_regions, costs, 4, 3, ())
+    units = StageMemory.of(plan.stage_regions, costs, 4, 3, (), plan.bucket_bytes)
+    for s, rs in enumerate(plan.stage_regions):
+        assert whole.gathered[s] == size * costs.params_of(rs)
+        unit = max(plan.bucket_bytes // costs.element_size, costs.largest_param_of(rs))
+        assert units.gathered[s] == min(whole.gathered[s], 2 * size * unit)
+    assert units.gathered[0] < whole.gathered[0]

@@ -121,5 +121,5 @@ def test_sequence_parallel_scatters_and_gathers_and_shrinks_what_crosses_stages(
     assert sends[0].values == sends[1].values
     assert all(r.plan.sharding.sp is on for r, on in zip(runs, (False, True), strict=True))
     # and the simulator prices each message at what a rank sends: half the sequence
-    share = ev._crossing[runs[1].plan.sharding]
+    share = ev._slice(runs[1].plan.sharding)[2]
     assert set(share.values()) == {0.5}

@@ -109,3 +109,18 @@ def test_bucket_variants_share_a_schedule_and_price_their_own_cap() -> None:
     assert d.plan.ranks is c.plan.ranks and d.plan.sharding.sp and not c.plan.sharding.sp
     fresh_sp = Evaluator(spec, 4, 8, CATALOG["h100-80gb"]).evaluate(tp_sp)
     assert d.prediction.step_time_s == fresh_sp.prediction.step_time_s
+
+
+def test_the_model_on_another_cluster_and_size_shares_its_captures() -> None:
+    spec = load_model_file(GPT, (("size", "tiny"),))
+    stages = [["embed", "layer.0", "layer.1"], ["layer.2", "layer.3", "head"]]
+    prog = schedules.shard(schedules.build("1f1b", stages, microbatches=2, dp=2), tp=2)
+    base = Evaluator(spec, 8, 8, CATALOG["h100-80gb"])
+    base.evaluate(schedules.build("1f1b", stages, microbatches=2, dp=4))
+    base.sharded_costs(base.skeleton(prog).sharding)
+    moved = base.on(CATALOG["a100-40gb"], 8, 16)
+    assert moved.captured is base.captured and moved._sharded is base._sharded
+    fresh = Evaluator(spec, 8, 16, CATALOG["a100-40gb"]).evaluate(prog)
+    got = moved.evaluate(prog)
+    assert got.prediction.step_time_s == fresh.prediction.step_time_s
+    assert got.prediction.peak_memory_bytes == fresh.prediction.peak_memory_bytes

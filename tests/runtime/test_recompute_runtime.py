@@ -18,6 +18,7 @@ from runtime.memory import SavedTensors
 from runtime.recompute import recomputing
 from runtime.stage_module import StageModule, build_stage
 from runtime.weight_grad import WeightGradStore, collecting, defer_weight_grads
+from runtime.zero import storage_key
 from tests.conftest import GPT
 
 STAGES = [["embed", "layer.0", "layer.1"], ["layer.2", "layer.3", "head"]]
@@ -44,7 +45,7 @@ def _step(sm: StageModule, args: list[torch.Tensor], deferred: bool
     for i in params:
         args[i].grad = None
     store = WeightGradStore() if deferred else None
-    kept = SavedTensors(exclude={args[i].untyped_storage().data_ptr() for i in params})
+    kept = SavedTensors(exclude={storage_key(args[i]) for i in params})
     with collecting(store), kept.counting():
         outs = list(sm.module(*args))
     held = kept.bytes_with(outs)

@@ -9,6 +9,7 @@ from torch import nn
 from torch.export.graph_signature import InputKind
 
 from runtime.weight_grad import WeightGradStore, collecting, defer_weight_grads
+from runtime.zero import storage_key
 
 
 class Net(nn.Module):
@@ -140,7 +141,7 @@ def test_an_input_in_volatile_storage_is_not_deferred():
         node.meta["val"] = val
     new, n = defer_weight_grads(gm, {0, 1, 2})
     assert n == 1
-    store = WeightGradStore(volatile=(src.untyped_storage().data_ptr(),))
+    store = WeightGradStore(volatile=(storage_key(src),))
     with collecting(store):
         y = new(src, lin.weight, lin.bias)
     y.sum().backward()

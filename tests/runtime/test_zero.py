@@ -93,3 +93,44 @@ def test_unarmed_units_reduce_scatter_at_the_task(group):
     expect = torch.autograd.grad(_forward(params, x), params)
     got = torch.cat([u.grad_shard for u in reversed(sh.units)])
     assert torch.allclose(got, torch.cat([g.reshape(-1) for g in expect]))
+
+
+def test_a_bracketed_chunk_holds_two_units_at_most_and_trains_like_the_model(group):
+    """FSDP's gathers inside a chunk (`runtime.unit_gather`): forward gathers each unit at
+    its first op (the next one ahead) and frees it after its last; backward gathers it
+    again before its ops' backward and frees it when its gradients are in."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from runtime.stage_module import StageModule
+    from runtime.unit_gather import bracketed
+
+    params, x = _mlp()
+    expected = torch.autograd.grad(_forward(params, x), params)
+    sh = ShardedStage(params, 3, group, 0, 1, bucket_bytes=LAYER)
+    gm = make_fx(lambda x, *ws: _forward(list(ws), x))(x, *(p.detach() for p in params))
+    sm = StageModule(gm, (("act", "x"), *(("param", str(i)) for i in range(6))), ("out",), ())
+    sm, ug, _ = bracketed(sm, {i + 1: sh.unit_of(i) for i in range(6)})
+    assert ug.order == (2, 1, 0)  # by first use: the first layer's unit is the last built
+    ug.shard = sh
+    alive: list[int] = []
+    gather, release, prefetch = sh.gather, sh.release, sh.prefetch
+
+    def spy(fn):
+        def call(k):
+            fn(k)
+            alive.append(sum(u.flat.untyped_storage().nbytes() > 0 for u in sh.units))
+        return call
+    sh.gather, sh.release, sh.prefetch = spy(gather), spy(release), spy(prefetch)
+    sh.materialize([ug.first])
+    views = sh.views()
+    loss = sm.module(x, *views)
+    assert sh.transient_bytes() == 0  # every unit freed after its last op
+    ug.backward = True
+    done = ug.free_when_done(views)
+    loss.backward()
+    for h in done:
+        h.remove()
+    assert sh.transient_bytes() == 0  # each freed once its gradients were in
+    assert max(alive) == 2 and len(alive) > 6
+    for v, g in zip(views, expected, strict=True):
+        torch.testing.assert_close(v.grad, g)

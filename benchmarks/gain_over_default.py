@@ -97,7 +97,7 @@ def best_of(ev: Evaluator, s: Strategy, gpus: int, gbs: int) -> tuple[Evaluation
                          f"{'' if fits else ' (no fit)'}")
             if fits and (best is None or p.step_time_s < best.prediction.step_time_s):
                 best = e
-    return best, "; ".join(tried)
+    return best, "; ".join(tried) or f"a batch of {gbs} does not split over dp={dp}"
 
 
 def search(config: str, gpus: int, gbs: int, trials: int) -> tuple[Program, float]:

@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import csv
 import dataclasses
-import importlib.util
 import json
 import statistics
 import sys
@@ -41,6 +40,7 @@ from scipy import stats
 
 from cost_models import load_cluster
 from piper.model_file import load_model_file
+from piper.pyfile import import_user_file
 from planner.evaluate import Evaluator
 from planner.strategy import shorthand_program
 
@@ -236,9 +236,7 @@ def llama3_paper() -> list[Run]:
 
 def llama_config(args: tuple[tuple[str, object], ...]) -> Any:
     """`examples/llama.py`'s config for --model-arg pairs (a size and dims over it)."""
-    spec = importlib.util.spec_from_file_location("_llama_example", LLAMA)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = import_user_file(LLAMA, "model file")
     d = dict(args)
     return dataclasses.replace(module.CONFIGS[d.pop("size")], **d)
 

@@ -29,7 +29,15 @@ from ray.tune.search.optuna import OptunaSearch
 from planner.evaluate import Evaluator
 from planner.records import OBJECTIVES, SearchResult, open_study, result_of
 from planner.samplers import PointsSampler, make_sampler
-from planner.search import Scored, _check_not_empty, describe, fits, score, store
+from planner.search import (
+    Scored,
+    _check_not_empty,
+    describe,
+    fits,
+    score,
+    starting_points,
+    store,
+)
 from planner.space import viable
 from runtime.launcher import ensure_ray
 from search_spaces import Infeasible, SearchSpace
@@ -60,7 +68,9 @@ def run_ray_search(evaluator: Evaluator, space: SearchSpace, *, trials: int,
         define = _Define(space, dict(space.grid()) if sampler == "grid" else None)
         searcher = _Searcher(define, metric=list(OBJECTIVES), mode=["min"] * len(OBJECTIVES),
                              sampler=smp, study_name=study_name, storage=db, seed=seed,
-                             capacity=evaluator.cluster.memory_bytes)
+                             capacity=evaluator.cluster.memory_bytes,
+                             points_to_evaluate=starting_points(space, sampler, trials,
+                                                                earlier) or None)
         trainable = tune.with_resources(
             tune.with_parameters(_trial, evaluator=evaluator, space=space),
             {"cpu": CPUS_PER_TRIAL})

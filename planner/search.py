@@ -97,6 +97,16 @@ def fits(evaluator: Evaluator, space: SearchSpace) -> Callable[[dict[str, Any]],
     return admissible
 
 
+def starting_points(space: SearchSpace, sampler: str, trials: int, earlier: int
+                    ) -> list[dict[str, Any]]:
+    """The trial parameters of the expert defaults a new study starts from (at most a
+    quarter of its trials; none for a grid, which tries everything, or a resumed study)."""
+    defaults = getattr(space, "expert_defaults", None)
+    if sampler == "grid" or earlier or defaults is None:
+        return []
+    return [space.params_of(p) for p in defaults()[:max(1, trials // 4)]]
+
+
 def run_search(evaluator: Evaluator, space: SearchSpace, *, trials: int, timeout: float | None,
                sampler: str, storage: str, study_name: str, seed: int | None,
                progress: bool = True) -> SearchResult:
@@ -119,6 +129,8 @@ def run_search(evaluator: Evaluator, space: SearchSpace, *, trials: int, timeout
         print(f"resuming study {study_name!r}: {finished} finished trials kept, {trials} more",
               file=sys.stderr, flush=True)
     grid = space.grid() if sampler == "grid" else None
+    for params in starting_points(space, sampler, trials, earlier):
+        study.enqueue_trial(params)
 
     def objective(trial: optuna.Trial) -> tuple[float, float]:
         try:

@@ -112,6 +112,33 @@ class PipelineSpace(SearchSpace):
         return conditional.params_for(SAMPLE_ORDER, _feasible_tuples(self),
                                       tuple(full[k] for k in _NAMES))
 
+    def expert_defaults(self) -> list[dict[str, Any]]:
+        """What an expert runs before searching, torchtitan's defaults: FSDP (the highest
+        ZeRO stage over every device, no pipeline) and FSDP with tensor parallelism over a
+        node (the largest TP degree), without and with recompute, at the smallest
+        microbatch and the next; the valid ones, most likely first. A search starts from
+        them (`planner.search.starting_points`), so its pick is never worse than these in
+        its own simulator."""
+        keys = set(self.grid())
+        zero = max(self.zeros)
+        tps = list(dict.fromkeys([1, max(self.tps)]))
+        schedule = "1f1b" if "1f1b" in self.schedules else self.schedules[0]
+        feasible = set(_feasible_tuples(self))
+        out = []
+        for again, more in itertools.product(self.recomputes, (0, 1)):
+            for tp in tps:
+                counts = sorted((m for m in divisors(self.batch_size)
+                                 if m <= self.max_microbatches
+                                 and self.batch_size % (self.gpus // tp * m) == 0),
+                                reverse=True)
+                if more >= len(counts):
+                    continue
+                full = {**_DEFAULTS, "schedule": schedule, "zero": zero, "tp": tp, "pp": 1,
+                        "microbatches": counts[more], "recompute": again}
+                if tuple(full[k] for k in _NAMES) in feasible:
+                    out.append({k: v for k, v in full.items() if k in keys})
+        return out
+
     def points(self) -> list[dict[str, Any]]:
         keys = list(self.grid())
         return [{k: dict(zip(_NAMES, t, strict=True))[k] for k in keys}

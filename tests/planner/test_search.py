@@ -294,3 +294,31 @@ def test_score_keeps_the_fastest_bucket_size_of_a_point():
     one = Evaluator(ev.spec, 1, 32, cluster)
     alone = {**point, "zero": 0}
     assert search_space(one, 8)[0].variants(alone) == [alone]
+
+
+def test_a_new_study_starts_from_the_expert_defaults_and_beats_them(tmp_path):
+    """FSDP, and FSDP with TP over a node, are tried first (torchtitan's defaults), so the
+    pick is never slower than them in the simulator; a resumed study does not repeat them."""
+    from cost_models import CATALOG
+    from piper.model_file import load_model_file
+    from planner.evaluate import Evaluator
+    from planner.search import run_search, score, starting_points
+    from planner.space import search_space
+
+    ev = Evaluator(load_model_file(GPT, (("size", "tiny"),)), 4, 32, CATALOG["h100-80gb"])
+    space, _ = search_space(ev, 8)
+    defaults = space.expert_defaults()
+    assert max(space.tps) > 1
+    assert {(p["pp"], p["zero"], p.get("tp", 1)) for p in defaults} == {
+        (1, 3, 1), (1, 3, max(space.tps))}
+    storage = f"sqlite:///{tmp_path}/s.db"
+    res = run_search(ev, space, trials=12, timeout=None, sampler="tpe", storage=storage,
+                     study_name="s", seed=0, progress=False)
+    study = optuna.load_study(study_name="s", storage=storage)
+    first = defaults[:3]
+    assert [t.user_attrs["point"] for t in study.trials[:3]] == first
+    assert res.best is not None
+    assert all(res.best.predicted["step_time_s"]
+               <= score(ev, space, p).predicted["step_time_s"] for p in first)
+    assert starting_points(space, "tpe", 4, earlier=12) == []
+    assert starting_points(space, "grid", 12, earlier=0) == []

@@ -187,7 +187,7 @@ def torchtitan() -> list[Run]:
         out.append(Run("torchtitan", label, LLAMA, size, cluster, gpus, tp, pp, fsdp,
                        local_bs if pp == 1 else 1, gbs, step, zero=3, schedule=schedule,
                        v=v, recompute=recompute, approx=approx, assumed=assumed,
-                       unit_mb=4 * layer / tp / 2**20))
+                       unit_mb=4 * layer / tp / 2**20, sp=tp > 1))  # its TP plan's norms: SP
 
     seq8k = "seq 8192 (toml default)"
     row("Llama 3.1 8B FSDP8 bs2 selective-op AC", _llama("llama3-8b"), "h100-96gb-500w", 8,

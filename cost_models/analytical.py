@@ -30,6 +30,7 @@ from piper.capture import Captured, to_meta
 from piper.dag import Kind
 from runtime.buckets import early_reduce_scatters, early_stages
 from runtime.plan import Plan, Task
+from runtime.unit_gather import unit_gathers
 
 BACKWARD_FLOPS_RATIO = 2.0
 """Backward = grad wrt inputs + grad wrt weights, each about one forward's matmuls."""
@@ -561,8 +562,8 @@ def zero3_units(plan: Plan, costs: ModelCosts, params: Sequence[int]
                 ) -> tuple[tuple[int, ...], tuple[tuple[int, ...], ...]]:
     """Per stage, how many ZeRO-3 units `runtime.zero` makes of its parameters (units of at
     most `plan.bucket_bytes` of parameter bytes) and the group an ALL_GATHER of it uses;
-    empty where the plan gathers stages whole."""
-    if plan.zero != 3 or not plan.bucket_bytes:
+    empty where the plan gathers stages whole (`runtime.unit_gather.unit_gathers`)."""
+    if not unit_gathers(plan):
         return (), ()
     groups: dict[int, tuple[int, ...]] = {}
     for rp in plan.ranks:

@@ -111,10 +111,12 @@ class StageMemory:
     @staticmethod
     def of(stage_regions: Sequence[Sequence[str]], costs: ModelCosts, microbatch_size: int,
            zero: int, recompute: Collection[int], bucket_bytes: int = 0,
-           early: Collection[int] = ()) -> StageMemory:
+           early: Collection[int] = (), paired: bool = False) -> StageMemory:
         """`early`: stages whose ZeRO-2/3 units of at most `bucket_bytes` (or one larger
         parameter) start their reduce-scatters inside the backward
-        (`runtime.buckets.early_reduce_scatters`): two units' gradients alive at most."""
+        (`runtime.buckets.early_reduce_scatters`): two units' gradients alive at most.
+        ZeRO-3's units are gathered two at a time inside a chunk unless the schedule runs
+        overlapped pairs (`paired`; `runtime.unit_gather.unit_gathers`)."""
         again = frozenset(recompute)
         act = tuple(round(costs.activation_bytes_of(rs, microbatch_size, s in again))
                     for s, rs in enumerate(stage_regions))
@@ -124,7 +126,7 @@ class StageMemory:
         full = tuple(size * costs.params_of(rs) for rs in stage_regions)
         none = tuple(0 for _ in full)
         gathered = full
-        if zero == 3 and bucket_bytes:  # FSDP's units gathered inside the chunk: two at most
+        if zero == 3 and bucket_bytes and not paired:  # FSDP's units inside the chunk
             gathered = tuple(min(f, 2 * size * max(bucket_bytes // costs.element_size,
                                                    costs.largest_param_of(rs) or 0))
                              for f, rs in zip(full, stage_regions, strict=True))
@@ -163,7 +165,7 @@ def peak_memory(plan: Plan, costs: ModelCosts, microbatch_size: int,
     or I; after I, W's products until W ends). `recompute` as in `activation_bytes`."""
     mem = StageMemory.of(plan.stage_regions, costs, microbatch_size, plan.zero,
                          recomputed(plan, recompute), plan.bucket_bytes,
-                         early_reduce_scatters(plan))
+                         early_reduce_scatters(plan), plan.paired)
     by_rank: dict[int, list[tuple[float, float, int, Span]]] = {rp.rank: [] for rp in plan.ranks}
     # ties in time (zero-length tasks) keep the executor's completion order, which is causal
     for i, s in enumerate(spans):

@@ -42,8 +42,9 @@ def device_peaks(stage_regions: Sequence[Sequence[str]], stage_device: Sequence[
     gradient, or two units of it on `early` stages, while a chunk or backward runs), in
     bytes. Stages in `recompute` keep their regions' inputs and rebuild one region at a
     time: the account of `StageMemory`, which the simulated peak keeps too."""
+    paired = any("+" in name for o in orders for name in o.names)
     mem = StageMemory.of(stage_regions, costs, microbatch_size, zero, recompute,
-                         bucket_bytes, early)
+                         bucket_bytes, early, paired)
     per_param = zero_bytes_per_param(costs.element_size, zero, dp, costs.optimizer_bytes)
     order_of = {o.device: o.names for o in orders}  # a pair: its forward first
     peaks = []

@@ -69,8 +69,9 @@ def run_ray_search(evaluator: Evaluator, space: SearchSpace, *, trials: int,
         searcher = _Searcher(define, metric=list(OBJECTIVES), mode=["min"] * len(OBJECTIVES),
                              sampler=smp, study_name=study_name, storage=db, seed=seed,
                              capacity=evaluator.cluster.memory_bytes,
-                             points_to_evaluate=starting_points(space, sampler, trials,
-                                                                earlier) or None)
+                             points_to_evaluate=starting_points(
+                                 space, sampler, trials, earlier,
+                                 fits(evaluator, space)) or None)
         trainable = tune.with_resources(
             tune.with_parameters(_trial, evaluator=evaluator, space=space),
             {"cpu": CPUS_PER_TRIAL})

@@ -97,14 +97,17 @@ def fits(evaluator: Evaluator, space: SearchSpace) -> Callable[[dict[str, Any]],
     return admissible
 
 
-def starting_points(space: SearchSpace, sampler: str, trials: int, earlier: int
+def starting_points(space: SearchSpace, sampler: str, trials: int, earlier: int,
+                    admissible: Callable[[dict[str, Any]], bool] = lambda p: True
                     ) -> list[dict[str, Any]]:
-    """The trial parameters of the expert defaults a new study starts from (at most a
-    quarter of its trials; none for a grid, which tries everything, or a resumed study)."""
+    """The trial parameters of the expert defaults a new study starts from (those that can
+    fit by the memory formulas, `admissible`; at most a quarter of its trials; none for a
+    grid, which tries everything, or a resumed study)."""
     defaults = getattr(space, "expert_defaults", None)
     if sampler == "grid" or earlier or defaults is None:
         return []
-    return [space.params_of(p) for p in defaults()[:max(1, trials // 4)]]
+    fitting = [p for p in defaults() if admissible(p)]
+    return [space.params_of(p) for p in fitting[:max(1, trials // 4)]]
 
 
 def run_search(evaluator: Evaluator, space: SearchSpace, *, trials: int, timeout: float | None,
@@ -129,7 +132,7 @@ def run_search(evaluator: Evaluator, space: SearchSpace, *, trials: int, timeout
         print(f"resuming study {study_name!r}: {finished} finished trials kept, {trials} more",
               file=sys.stderr, flush=True)
     grid = space.grid() if sampler == "grid" else None
-    for params in starting_points(space, sampler, trials, earlier):
+    for params in starting_points(space, sampler, trials, earlier, fits(evaluator, space)):
         study.enqueue_trial(params)
 
     def objective(trial: optuna.Trial) -> tuple[float, float]:

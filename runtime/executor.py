@@ -33,7 +33,7 @@ from runtime.stage_module import StageModule, build_stage
 from runtime.step_state import Saved, StepOutcome, StepState, accumulate, to_device
 from runtime.streams import DeviceStreams
 from runtime.training import TrainConfig, make_optimizer
-from runtime.unit_gather import UnitGathers, bracketed
+from runtime.unit_gather import UnitGathers, bracketed, unit_gathers
 from runtime.updates import Updater
 from runtime.weight_grad import WeightGradStore, collecting
 from runtime.zero import ShardedStage, storage_key
@@ -132,7 +132,7 @@ class RankExecutor:
                 shard = self.sharded[s] = ShardedStage(
                     self.params[s], plan.zero, groups[ranks], self.rp.replica, plan.dp,
                     plan.bucket_bytes, train.grad_reduce_dtype, train.compute_dtype)
-                if plan.zero == 3 and len(shard.units) > 1:  # FSDP: two units at most
+                if unit_gathers(plan) and len(shard.units) > 1:  # FSDP: two units at most
                     sm, self.unit_gathers[s], inserted = bracketed(sm, {
                         i: shard.unit_of(k) for i, k in enumerate(self.slot[s]) if k >= 0},
                         captured.node_region)

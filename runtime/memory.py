@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from runtime.zero import ShardedStage
+from runtime.zero import ShardedStage, storage_key
 
 
 def _nbytes(t: torch.Tensor | None) -> int:
@@ -112,9 +112,9 @@ class SavedTensors:
         self.storages: dict[int, int] = {}
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
-        st = t.untyped_storage()
-        if st._cdata not in self.exclude:  # `runtime.zero.storage_key`: stable when freed
-            self.storages[st._cdata] = st.nbytes()
+        key = storage_key(t)  # the same while ZeRO-3 frees and refills it
+        if key not in self.exclude:
+            self.storages[key] = t.untyped_storage().nbytes()
         return t
 
     @staticmethod
@@ -135,8 +135,7 @@ class SavedTensors:
     def bytes_with(self, tensors: list[torch.Tensor]) -> int:
         seen = dict(self.storages)
         for t in tensors:
-            st = t.untyped_storage()
-            seen[st._cdata] = st.nbytes()
+            seen[storage_key(t)] = t.untyped_storage().nbytes()
         return sum(seen.values())
 
 

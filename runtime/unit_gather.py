@@ -16,6 +16,10 @@ as FSDP brackets each wrapped module:
 A recompute re-runs the forward's ops inside the backward: there the brackets gather but
 never free, so the backward that follows finds the unit it needs.
 
+Not under overlapped pairs (`dualpipev`): a paired backward runs on the pair lane's thread,
+and its gathers would meet the other lane's on one data-parallel communicator in an order
+the ranks do not agree on; there the ALL_GATHER brings the stage whole, as without units.
+
 `bracketed` rewrites a stage module's graph once; `UnitGathers` is what its brackets call.
 """
 
@@ -29,8 +33,15 @@ from typing import Any
 import torch
 from torch import fx
 
+from runtime.plan import Plan
 from runtime.stage_module import StageModule
 from runtime.zero import ShardedStage
+
+
+def unit_gathers(plan: Plan) -> bool:
+    """Whether `plan`'s ZeRO-3 units are gathered one by one inside the chunks (the memory
+    and cost models ask the same)."""
+    return plan.zero == 3 and plan.bucket_bytes > 0 and not plan.paired
 
 
 class UnitGathers:

@@ -27,6 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import fx
 
+from runtime.zero import storage_key
+
 _local = threading.local()
 
 # op -> how its weight (argument 1) enters: y = x·Wᵀ (+ b), y = x·W, y = x ⊙bmm W
@@ -125,7 +127,7 @@ class _WeightMatmul(torch.autograd.Function):
     def forward(ctx: Any, kind: str, x: torch.Tensor, w: torch.Tensor,
                 b: torch.Tensor | None, wkey: int, bkey: int) -> torch.Tensor:
         store = getattr(_local, "store", None)
-        if store is not None and x.untyped_storage()._cdata in store.volatile:
+        if store is not None and storage_key(x) in store.volatile:
             store = None  # x is freed before W could read it
         ctx.kind, ctx.store, ctx.keys = kind, store, (wkey, bkey if b is not None else -1)
         ctx.save_for_backward(x, w)

@@ -136,3 +136,22 @@ def test_zero3_units_hold_two_units_gathered_not_the_stage(make_plan, costs: Mod
         unit = max(plan.bucket_bytes // costs.element_size, costs.largest_param_of(rs))
         assert units.gathered[s] == min(whole.gathered[s], 2 * size * unit)
     assert units.gathered[0] < whole.gathered[0]
+
+
+def test_overlapped_pairs_gather_zero3_stages_whole(make_plan, costs: ModelCosts, ideal_cluster):
+    """Under dualpipev a paired backward runs on another thread: its gathers would meet the
+    other lane's on one communicator, so units are not gathered inside chunks there, and
+    the models price and hold the stage whole (`runtime.unit_gather.unit_gathers`)."""
+    from cost_models.memory import StageMemory
+    from runtime.unit_gather import unit_gathers
+
+    plain = make_plan("1f1b", pp=2, microbatches=4, dp=2, zero=3, bucket_mb=0.01)
+    pairs = make_plan("dualpipev", pp=2, microbatches=4, dp=2, zero=3, bucket_mb=0.01)
+    assert unit_gathers(plain) and pairs.paired and not unit_gathers(pairs)
+    c = _cluster(ideal_cluster, 1e-4)
+    assert task_costs(pairs, costs, c, 4).units == ()
+    assert task_costs(plain, costs, c, 4).units
+    whole = StageMemory.of(pairs.stage_regions, costs, 4, 3, (), pairs.bucket_bytes,
+                           paired=True)
+    units = StageMemory.of(pairs.stage_regions, costs, 4, 3, (), pairs.bucket_bytes)
+    assert whole.gathered[0] > units.gathered[0]

@@ -53,13 +53,14 @@ def test_failed_trials_are_recorded_with_their_reason_and_the_search_goes_on(tmp
 
 
 def _finished(db) -> dict[int, tuple]:
-    """number -> (state, params, value) of every finished trial in the study file."""
+    """number -> (state, params, value) of every finished trial in the study file (not one
+    running, nor one waiting: the expert defaults a new study enqueues)."""
     if not db.exists():
         raise sqlite3.OperationalError("no study yet")
     with sqlite3.connect(db) as c:
         rows = c.execute("select t.trial_id, t.number, t.state, v.value from trials t left "
                          "join trial_values v on v.trial_id = t.trial_id "
-                         "where t.state != 'RUNNING'").fetchall()
+                         "where t.state not in ('RUNNING', 'WAITING')").fetchall()
         params = c.execute("select trial_id, param_name, param_value from trial_params"
                            ).fetchall()
     by_id = {}

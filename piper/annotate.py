@@ -92,7 +92,9 @@ def tag_calls(module: torch.nn.Module,
         stack.pop().close()
 
     module.register_forward_pre_hook(pre)
-    module.register_forward_hook(post)
+    # also when forward raises (a failed capture of one split): else the tag stays entered
+    # and every later capture in the process inherits it
+    module.register_forward_hook(post, always_call=True)
 
 
 def fixed_tag(name: str) -> contextlib.AbstractContextManager:

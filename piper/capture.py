@@ -243,6 +243,10 @@ def _trace(model: torch.nn.Module, args: tuple, kwargs: dict) -> ExportedProgram
     said = io.StringIO()
     with (contextlib.redirect_stderr(said), fx_traceback.preserve_node_meta(),
           counting_regions()):
+        # annotations an earlier trace left in the process-wide metadata (torch's own
+        # dynamo-disable tag can outlive a failed export) would merge into our region tags,
+        # one dict shared by every node: each trace starts without them (restored after)
+        fx_traceback.current_meta.pop("custom", None)
         ep = torch.export.export(model, args, kwargs, strict=False)
     sys.stderr.write(said.getvalue())
     return ep

@@ -26,3 +26,22 @@ def test_search_plans_llama_31_8b_from_its_config(capsys, tmp_path):
     script = (tmp_path / "out" / "best_strategy.py").read_text()
     assert script.count("layer.31") == 1 and f"run:      piper-plan run {config}" in script
     assert "--seq-len 4096" in script
+
+
+def test_a_capture_after_a_search_still_tags_its_regions(capsys, tmp_path):
+    """A search leaves torch's dynamo-disable tag in the process-wide node metadata (a
+    failed split's export); a later capture in the same process must not inherit it (it
+    turned a tied GPT-2's embedding into the head region: 'head feeds the earlier region
+    embed')."""
+    from cost_models import CATALOG
+    from piper.model_file import load_model
+    from planner.evaluate import Evaluator
+    from tests.hf_models import write_config
+
+    config = write_llama_31_8b(tmp_path / "Llama-3.1-8B")
+    assert main(["search", str(config), "--gpus", "16", "--trials", "6", "--seq-len",
+                 "4096", "--out", str(tmp_path / "out"), "--json"]) == 0
+    gpt2 = write_config(tmp_path / "gpt2", "gpt2")
+    spec = load_model(str(gpt2), (), (("seq_len", 16),))
+    names = Evaluator(spec, 2, 4, CATALOG["cpu"]).graph.names
+    assert names[0] == "embed" and names[-1] == "head"

@@ -405,7 +405,7 @@ class TaskCosts:
 
     def _unit_gather(self, stage: int, group: tuple[int, ...]) -> float:
         """One unit's all-gather (the stage's gathered bytes split evenly)."""
-        nbytes = self._bytes_of(Task(Kind.ALL_GATHER, stage)) / self._units(stage)
+        nbytes = (self.gather_bytes or self.gradient_bytes)[stage] / self._units(stage)
         return comm.collective_time(comm.ALL_GATHER, round(nbytes), group, self.cluster)
 
     def _exposed_gathers(self, task: Task, busy: float) -> float:

@@ -249,32 +249,32 @@ _H100 = ClusterSpec(
                f"one 400 Gb/s NDR HCA per GPU; {_MAMF}: H100 SXM 794.5 TF; {_FLASH} (35% "
                "on H100, FlashAttention-3 paper); " + _ASSUMED)
 
+
+
+def _a100_source(memory: str) -> str:
+    return (f"{_NVIDIA} A100 SXM (FP32 19.5 TF; TF32 dense 156 TF; BF16 dense 312 TF; "
+            f"{memory}; NVLink3 600 GB/s bidirectional); DGX A100 datasheet: one 200 Gb/s "
+            f"HDR HCA per GPU; {_MAMF}: A100 SXM 271.2 TF; {_FLASH} (50-73% on A100, the "
+            "backward at the low end); " + _ASSUMED)
+
+
+_A100_40 = ClusterSpec(
+        name="a100-40gb", device="NVIDIA A100-SXM4-40GB", gpus_per_node=8,
+        memory_bytes=40 * GiB, flops=19.5e12, compute_efficiency=A100_MAMF,
+        attention_efficiency=A100_FLASH, intra_node_bandwidth=300e9, intra_node_latency=5e-6,
+        inter_node_bandwidth=25e9, inter_node_latency=1e-5, memory_bandwidth=1555e9,
+        elementwise_bandwidth=ELEMENTWISE_SHARE * 1555e9,
+        bf16_flops=312e12, source=_a100_source("HBM2 1555 GB/s"))
+
 CATALOG: dict[str, ClusterSpec] = {
     s.name: s for s in (
-        ClusterSpec(
-            name="a100-40gb", device="NVIDIA A100-SXM4-40GB", gpus_per_node=8,
-            memory_bytes=40 * GiB, flops=19.5e12, compute_efficiency=A100_MAMF,
-            attention_efficiency=A100_FLASH,
-            intra_node_bandwidth=300e9, intra_node_latency=5e-6,
-            inter_node_bandwidth=25e9, inter_node_latency=1e-5, memory_bandwidth=1555e9,
-            elementwise_bandwidth=ELEMENTWISE_SHARE * 1555e9,
-            bf16_flops=312e12,
-            source=f"{_NVIDIA} A100 SXM (FP32 19.5 TF; TF32 dense 156 TF; BF16 dense 312 TF; "
-                   "HBM2 1555 GB/s; NVLink3 600 GB/s bidirectional); DGX A100 datasheet: "
-                   f"one 200 Gb/s HDR HCA per GPU; {_MAMF}: A100 SXM 271.2 TF; {_FLASH} "
-                   "(50-73% on A100, the backward at the low end); " + _ASSUMED),
-        ClusterSpec(
-            name="a100-80gb", device="NVIDIA A100-SXM4-80GB", gpus_per_node=8,
-            memory_bytes=80 * GiB, flops=19.5e12, compute_efficiency=A100_MAMF,
-            attention_efficiency=A100_FLASH,
-            intra_node_bandwidth=300e9, intra_node_latency=5e-6,
-            inter_node_bandwidth=25e9, inter_node_latency=1e-5, memory_bandwidth=2039e9,
+        _A100_40,
+        # the 80 GB part: the same chip with HBM2e, faster and twice the size
+        dataclasses.replace(
+            _A100_40, name="a100-80gb", device="NVIDIA A100-SXM4-80GB",
+            memory_bytes=80 * GiB, memory_bandwidth=2039e9,
             elementwise_bandwidth=ELEMENTWISE_SHARE * 2039e9,
-            bf16_flops=312e12,
-            source=f"{_NVIDIA} A100 SXM (FP32 19.5 TF; TF32 dense 156 TF; BF16 dense 312 TF; "
-                   "HBM2e 2039 GB/s; NVLink3 600 GB/s bidirectional); DGX A100 datasheet: "
-                   f"one 200 Gb/s HDR HCA per GPU; {_MAMF}: A100 SXM 271.2 TF; {_FLASH} "
-                   "(50-73% on A100, the backward at the low end); " + _ASSUMED),
+            source=_a100_source("HBM2e 2039 GB/s")),
         _H100,
         # Meta's Grand Teton H100s that torchtitan's published benchmarks ran on: the H100
         # SXM's figures (none are published for this part) with its memory

@@ -60,8 +60,9 @@ def run_ray_search(evaluator: Evaluator, space: SearchSpace, *, trials: int,
         study = open_study(db, study_name, create=True)  # checks its shape before Tune does
         describe(study, evaluator)
         earlier = len(study.trials)
+        admissible = fits(evaluator, space)
         smp = make_sampler(sampler, space, None if seed is None else seed + earlier, trials,
-                           admissible=fits(evaluator, space))
+                           admissible=admissible)
         if isinstance(smp, PointsSampler):
             trials = min(trials, len(smp))
         viable(space, evaluator)  # every slice captured here, once, before it ships
@@ -70,8 +71,7 @@ def run_ray_search(evaluator: Evaluator, space: SearchSpace, *, trials: int,
                              sampler=smp, study_name=study_name, storage=db, seed=seed,
                              capacity=evaluator.cluster.memory_bytes,
                              points_to_evaluate=starting_points(
-                                 space, sampler, trials, earlier,
-                                 fits(evaluator, space)) or None)
+                                 space, sampler, trials, earlier, admissible) or None)
         trainable = tune.with_resources(
             tune.with_parameters(_trial, evaluator=evaluator, space=space),
             {"cpu": CPUS_PER_TRIAL})

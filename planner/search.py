@@ -121,8 +121,9 @@ def run_search(evaluator: Evaluator, space: SearchSpace, *, trials: int, timeout
     describe(study, evaluator)
     earlier = len(study.trials)
     # a resumed TPE must not replay the first run's random start from the same seed
+    admissible = fits(evaluator, space)
     study.sampler = make_sampler(sampler, space, None if seed is None else seed + earlier,
-                                 trials, admissible=fits(evaluator, space))
+                                 trials, admissible=admissible)
     capacity = evaluator.cluster.memory_bytes
     start = time.perf_counter()
     if isinstance(study.sampler, PointsSampler):
@@ -132,7 +133,7 @@ def run_search(evaluator: Evaluator, space: SearchSpace, *, trials: int, timeout
         print(f"resuming study {study_name!r}: {finished} finished trials kept, {trials} more",
               file=sys.stderr, flush=True)
     grid = space.grid() if sampler == "grid" else None
-    for params in starting_points(space, sampler, trials, earlier, fits(evaluator, space)):
+    for params in starting_points(space, sampler, trials, earlier, admissible):
         study.enqueue_trial(params)
 
     def objective(trial: optuna.Trial) -> tuple[float, float]:

@@ -65,11 +65,7 @@ class UnitGathers:
         return self.order[-1]
 
     def enter(self, k: int) -> None:
-        assert self.shard is not None
-        self.shard.gather(k)
-        ahead = self._prev.get(k) if self.backward else self._next.get(k)
-        if ahead is not None:
-            self.shard.prefetch(ahead)
+        self._bring(k, backward=self.backward)
 
     def leave(self, k: int, *outs: Any) -> None:
         assert self.shard is not None
@@ -82,9 +78,14 @@ class UnitGathers:
         self.shard.release(k)
 
     def _before_backward(self, k: int) -> None:
+        self._bring(k, backward=True)
+
+    def _bring(self, k: int, backward: bool) -> None:
+        """Unit k gathered, and the unit the pass reaches next on its way (the one before
+        it in forward order when going backward)."""
         assert self.shard is not None
         self.shard.gather(k)
-        ahead = self._prev.get(k)
+        ahead = (self._prev if backward else self._next).get(k)
         if ahead is not None:
             self.shard.prefetch(ahead)
 

@@ -32,7 +32,8 @@ from piper import schedules
 from piper.capture import capture
 from piper.model_file import load_model_file
 from planner.evaluate import Evaluator
-from runtime.launcher import RuntimeFailure, ensure_ray, run
+from runtime.cluster import connect
+from runtime.launcher import RuntimeFailure, run
 from runtime.lowering import lower
 from runtime.profiling import measure
 from search_spaces.partition import balanced_stages
@@ -98,7 +99,7 @@ def main() -> None:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     spec = load_model_file(MODEL, (("size", a.size),))
-    ensure_ray()
+    connect()
     if a.cluster:
         cluster = load_cluster(a.cluster)
     else:

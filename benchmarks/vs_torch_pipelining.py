@@ -36,7 +36,8 @@ from cost_models import CATALOG
 from piper import schedules
 from piper.model_file import ModelSpec, load_model_file
 from planner.evaluate import Evaluator
-from runtime.launcher import Job, _free_port, ensure_ray
+from runtime.cluster import connect
+from runtime.launcher import Job, _free_port
 from runtime.lowering import lower
 from search_spaces.partition import balanced_stages
 
@@ -200,7 +201,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=10, help="steps measured in each run")
     ap.add_argument("--repeats", type=int, default=3, help="fresh runs per cell")
     args = ap.parse_args()
-    ensure_ray()  # one Ray instance for every run, as on a user's cluster
+    connect()  # one Ray instance for every run, as on a user's cluster
     spec = load_model_file(GPT, MODEL_ARGS)
     ev = Evaluator(spec, 1, args.batch, CATALOG["cpu"])
     names = ev.captured.graph.names

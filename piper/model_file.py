@@ -166,9 +166,12 @@ def _parse_value(raw: str) -> Any:
 
 def load_model(path: str | Path, model_args: tuple[tuple[str, Any], ...] = (),
                options: tuple[tuple[str, Any], ...] = ()) -> ModelSpec:
-    """A model file, or a Hugging Face `config.json` / model folder (`piper.hf`)."""
+    """A model file, or a Hugging Face `config.json` / model folder (`piper.hf`); a name
+    a cluster run shipped it under is found on this node (`piper.shipped`)."""
     from piper.hf import is_hf_model
+    from piper.shipped import local_path
 
+    path = local_path(str(path))
     if is_hf_model(path):
         from piper.hf import load_hf_model
 

@@ -6,6 +6,7 @@ Exit codes: 0 ok; 1 no feasible strategy or `--check` failed; 2 bad input; 3 run
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -26,6 +27,11 @@ class _Parser(argparse.ArgumentParser):
 
 def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
+
+
+RAY_ADDRESS_HELP = ("Ray cluster to join: HOST:PORT from one of its nodes, ray://HOST:10001 "
+                    "from anywhere, or auto (default: $RAY_ADDRESS, else a Ray of this "
+                    "machine's own); docs/cluster.md")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -63,7 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tpe (default), gp, nsga2, or grid: every valid point once")
     s.add_argument("--backend", default="optuna", choices=["optuna", "ray"],
                    help="optuna: trials in this process; ray: trials spread by Ray Tune")
-    s.add_argument("--address", help="Ray cluster to join (--backend ray, --measure)")
+    s.add_argument("--address", help=RAY_ADDRESS_HELP + " (--backend ray, --measure)")
+    s.add_argument("--gpus-per-node", type=int, help="devices per node, as the strategies are "
+                   "priced and --measure places its ranks (default: the --cluster spec's)")
     s.add_argument("--storage", help="Optuna storage URL (default sqlite:///OUT/study.db)")
     s.add_argument("--study-name", default="piper-plan")
     s.add_argument("--measure", type=int, default=0, metavar="K",
@@ -76,7 +84,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_shorthand_flags(r)
     add_train_flags(r)
     r.add_argument("--device", choices=["cpu", "cuda"])
-    r.add_argument("--address", help="existing Ray cluster address")
+    r.add_argument("--address", help=RAY_ADDRESS_HELP)
+    r.add_argument("--gpus-per-node", type=int, help="ranks per node: consecutive ranks share "
+                   "a node in blocks of this many (default: on a cluster joined, its "
+                   "smallest node's GPUs, or CPUs on --device cpu; else all on this machine)")
     r.add_argument("--check", action="store_true",
                    help="compare losses with single-device training (rtol 1e-4 in fp32, "
                         "2e-2 in bf16-mixed against torch.autocast)")
@@ -187,7 +198,13 @@ def _cluster(args: argparse.Namespace, announce: bool) -> tuple[Any, str]:
     name = args.cluster or DEFAULT_CLUSTER
     if args.cluster is None and announce:
         log(f"cluster: {DEFAULT_CLUSTER} (default; pass --cluster to change)")
-    return load_cluster(name), name
+    cluster = load_cluster(name)
+    per_node = getattr(args, "gpus_per_node", None)
+    if per_node is not None:
+        if per_node < 1:
+            raise PiperError(f"--gpus-per-node must be >= 1, got {per_node}")
+        cluster = dataclasses.replace(cluster, gpus_per_node=per_node)
+    return cluster, name
 
 
 def _program(args: argparse.Namespace, ev: Any) -> Any:

@@ -92,7 +92,9 @@ class Evaluator:
         """Pickled for Ray workers: the model file travels as its path (functions from a
         file imported by path do not pickle), captures and sharded costs as data."""
         state = dict(self.__dict__)
-        state["spec"] = self.spec.source
+        from runtime.cluster import remote_source
+
+        state["spec"] = remote_source(self.spec.source)  # as a cluster's nodes find it
         state["cache"] = EvaluationCache()  # results stay where they were computed
         state["_last_plan"] = None
         return state

@@ -60,15 +60,16 @@ def candidates(records: Sequence[TrialRecord], k: int) -> list[TrialRecord]:
 
 def measure(spec: ModelSpec, records: Sequence[TrialRecord], k: int, *, gpus: int,
             batch_size: int, device: str, seed: int, address: str | None = None,
-            steps: int = STEPS, log: Any = None) -> list[Measurement]:
+            steps: int = STEPS, log: Any = None, per_node: int | None = None
+            ) -> list[Measurement]:
     """Run the top `k` candidates for real; measured ones fastest first, failures last."""
-    import ray
-
-    from runtime.launcher import RuntimeFailure, check_workers, ensure_ray, run
+    from runtime.cluster import connect, disconnect
+    from runtime.launcher import RuntimeFailure, check_workers, run
     from runtime.lowering import lower
 
     check_workers(gpus, device, address)
-    started = ensure_ray(address)  # one Ray for every candidate: its start is the slow part
+    # one Ray for every candidate: its start is the slow part
+    started = connect(address, ship=[spec.source[0]])
     out: list[Measurement] = []
     try:
         for i, rec in enumerate(candidates(records, k)):
@@ -76,7 +77,7 @@ def measure(spec: ModelSpec, records: Sequence[TrialRecord], k: int, *, gpus: in
             try:
                 plan = lower(spec, rec.program, gpus, batch_size)
                 res = run(spec, plan, batch_size=batch_size, steps=steps, seed=seed,
-                          device=device, address=address)
+                          device=device, address=address, per_node=per_node)
                 m = Measurement(rec, tuple(s.time_s for s in res.steps), res.peak_memory_bytes)
             except (RuntimeFailure, PiperError) as e:
                 m = Measurement(rec, (), (), f"{type(e).__name__}: {' '.join(str(e).split())}")
@@ -87,7 +88,7 @@ def measure(spec: ModelSpec, records: Sequence[TrialRecord], k: int, *, gpus: in
                     f"({time.perf_counter() - t0:.1f} s)")
     finally:
         if started:
-            ray.shutdown()
+            disconnect()
     return sorted(out, key=lambda m: (m.median_s is None, m.median_s or 0.0))
 
 

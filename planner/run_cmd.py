@@ -5,6 +5,7 @@ training. Kept apart from `planner.cli` (parsing and the small commands) as `sea
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from typing import Any
 
@@ -74,7 +75,7 @@ def run(args: argparse.Namespace) -> int:
     from planner.report import summary_line
     from planner.trace import write_trace
     from runtime.data import BatchSource
-    from runtime.launcher import Job, RuntimeFailure, check_workers
+    from runtime.launcher import Job, RuntimeFailure, check_workers, describe_nodes
     from runtime.lowering import lower
     from runtime.reference import max_rel_diff, reference_run
 
@@ -95,7 +96,12 @@ def run(args: argparse.Namespace) -> int:
     if done >= args.steps:
         log(f"{folder} is at step {done}: nothing to train up to --steps {args.steps}")
         return EXIT_OK
-    ev = Evaluator(spec, args.gpus, batch, CATALOG["cpu"])
+    if args.gpus_per_node is not None and args.gpus_per_node < 1:
+        raise PiperError(f"--gpus-per-node must be >= 1, got {args.gpus_per_node}")
+    here = CATALOG["cpu"]
+    if args.gpus_per_node:  # tensor parallelism is checked to stay inside a node
+        here = dataclasses.replace(here, gpus_per_node=args.gpus_per_node)
+    ev = Evaluator(spec, args.gpus, batch, here)
     _tell_regions(ev)
     program = _program(args, ev)
     plan = lower(spec, program, args.gpus, batch)
@@ -112,7 +118,11 @@ def run(args: argparse.Namespace) -> int:
     predicted = predicted_of(args.strategy) if args.strategy else None
     try:
         with Job(spec, plan, batch_size=batch, seed=args.seed, device=device,
-                 address=args.address, timeout_s=args.timeout, train=train, done=done) as job:
+                 address=args.address, timeout_s=args.timeout, train=train, done=done,
+                 per_node=args.gpus_per_node,
+                 shared=(args.checkpoint_dir,) if args.checkpoint_dir else ()) as job:
+            if len(set(job.nodes)) > 1:
+                log(f"ranks on {len(set(job.nodes))} nodes: {describe_nodes(job.nodes)}")
             if folder is not None:
                 job.restore(str(folder))
             for k in range(done, args.steps):
@@ -145,6 +155,7 @@ def run(args: argparse.Namespace) -> int:
         "peak_memory_bytes": list(result.peak_memory_bytes),
         "summary": summary,
         "precision": train.precision,
+        "nodes": list(result.nodes),  # per rank: its node's IP address
     }
     passed = True
     if args.check:

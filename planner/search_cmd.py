@@ -89,7 +89,7 @@ def search(args: argparse.Namespace) -> int:
                 "profile` predicts this machine)")
         measured = measure(spec, result.records, args.measure, gpus=args.gpus,
                            batch_size=batch, device=device, seed=args.seed,
-                           address=args.address, log=log)
+                           address=args.address, log=log, per_node=cluster.gpus_per_node)
         log(table(measured))
         if measured and measured[0].median_s is not None:
             result = dataclasses.replace(result, best=measured[0].record)

@@ -1,5 +1,10 @@
 """Driver side of a real run: start one Ray actor per rank for a lowered Plan
-(`runtime.lowering`), run the steps and gather losses, times and memory."""
+(`runtime.lowering`), run the steps and gather losses, times and memory.
+
+Ranks run wherever Ray puts their blocks (`runtime.placement`), on this machine or on the
+nodes of a cluster (`runtime.cluster`); rank 0 opens the rendezvous on its own node, and
+each rank reports what it is doing through the job's progress board (`runtime.progress`),
+so a rank or node lost is named with its task."""
 
 from __future__ import annotations
 
@@ -7,8 +12,8 @@ import os
 import re
 import shutil
 import socket
-import tempfile
 import time
+import uuid
 from dataclasses import dataclass
 from typing import Any, Self
 
@@ -17,9 +22,12 @@ from ray.exceptions import RayActorError, RayError
 
 from piper.errors import PiperError
 from piper.model_file import ModelSpec
+from runtime import progress
+from runtime.cluster import cluster_address, connect, disconnect, remote_source
 from runtime.dryrun import Span
+from runtime.placement import Placement, default_per_node, place, rank_resources
 from runtime.plan import Plan
-from runtime.progress import read_progress
+from runtime.progress import Progress
 from runtime.training import TrainConfig
 from runtime.worker import RemoteWorker
 
@@ -51,30 +59,13 @@ class RunResult:
     plan: Plan
     spans: tuple[Span, ...] = ()  # the last step's measured timeline
     model_state_bytes: tuple[int, ...] = ()  # per rank: peak params + grads + optimizer state
-
-
-def ensure_ray(address: str | None = None) -> bool:
-    """Join `address`, or start a local Ray instance; True if this call connected (so the
-    caller shuts it down), False if Ray was already up."""
-    if ray.is_initialized():
-        return False
-    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
-    # Ray starts workers at nice 15 so its own daemons stay responsive; our workers are the
-    # job (torchrun's ranks run at 0), and at 15 any daemon or driver wake-up preempts them
-    # (measured: 5-7% of a CPU pipeline step). Ray's job manager does the same for jobs.
-    os.environ.setdefault("RAY_worker_niceness", "0")
-    if address:
-        ray.init(address=address, logging_level="ERROR", log_to_driver=False)
-    else:
-        ray.init(num_cpus=max(2, os.cpu_count() or 2), include_dashboard=False,
-                 logging_level="ERROR", log_to_driver=False)
-    return True
+    nodes: tuple[str, ...] = ()  # per rank: the IP address of the node it ran on
 
 
 def check_workers(world: int, device: str, address: str | None) -> None:
     """Refuse a run this machine cannot host, before anything is built or started: Ray would
     otherwise leave the extra workers pending (a hang) or start them until memory runs out."""
-    if address:
+    if cluster_address(address):
         return  # a cluster's capacity is checked once joined (`_check_cluster`)
     if device == "cuda":
         import torch
@@ -100,6 +91,18 @@ def _check_cluster(world: int, device: str) -> None:
             raise PiperError(f"--gpus {world} needs {world} GPUs; the Ray cluster has {have}")
 
 
+def describe_nodes(nodes: tuple[str, ...]) -> str:
+    """'ranks 0-1 on 10.0.0.2, ranks 2-3 on 10.0.0.3' (runs of consecutive ranks)."""
+    out: list[str] = []
+    start = 0
+    for r in range(1, len(nodes) + 1):
+        if r == len(nodes) or nodes[r] != nodes[start]:
+            ranks = f"rank {start}" if r - start == 1 else f"ranks {start}-{r - 1}"
+            out.append(f"{ranks} on {nodes[start]}")
+            start = r
+    return ", ".join(out)
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -108,7 +111,7 @@ def _free_port() -> int:
 
 def run(spec: ModelSpec, plan: Plan, *, batch_size: int, steps: int, seed: int,
         device: str = "cpu", address: str | None = None, timeout_s: float = 300.0,
-        train: TrainConfig | None = None) -> RunResult:
+        train: TrainConfig | None = None, per_node: int | None = None) -> RunResult:
     """Train `steps` steps of `plan` on real worker processes (a `Job` from start to end).
 
     `timeout_s` bounds every collective and P2P transfer (the process groups' timeout); the
@@ -118,7 +121,7 @@ def run(spec: ModelSpec, plan: Plan, *, batch_size: int, steps: int, seed: int,
     (KeyboardInterrupt, re-raised). A Ray instance this call started is shut down.
     """
     with Job(spec, plan, batch_size=batch_size, seed=seed, device=device, address=address,
-             timeout_s=timeout_s, train=train) as job:
+             timeout_s=timeout_s, train=train, per_node=per_node) as job:
         for _ in range(steps):
             job.step()
         return job.finish()
@@ -127,43 +130,89 @@ def run(spec: ModelSpec, plan: Plan, *, batch_size: int, steps: int, seed: int,
 class Job:
     """One rank per Ray actor, set up and holding the plan's state between steps, so a
     caller steps when it likes (`run` steps straight through; a benchmark interleaves the
-    steps of two systems). Closing kills the workers, and shuts down a Ray instance that
-    this job started."""
+    steps of two systems). Closing kills the workers and frees their placement, and shuts
+    down a Ray instance that this job started."""
 
     def __init__(self, spec: ModelSpec, plan: Plan, *, batch_size: int, seed: int,
                  device: str = "cpu", address: str | None = None, timeout_s: float = 300.0,
-                 train: TrainConfig | None = None, done: int = 0) -> None:
-        """`done`: steps trained before (the ranks' state is then loaded by `restore`)."""
+                 train: TrainConfig | None = None, done: int = 0, per_node: int | None = None,
+                 shared: tuple[str, ...] = ()) -> None:
+        """`done`: steps trained before (the ranks' state is then loaded by `restore`).
+        `per_node`: ranks per node (default: `placement.default_per_node`). `shared`: folders every
+        node must see as this machine does (a checkpoint folder), checked before setup."""
         if not plan.complete:
             raise ValueError("a simulation view of a Plan (some replicas left out) cannot run")
         self.plan = plan
         self.done = done
         self.started = False
         world = plan.world_size
-        self.folder = tempfile.mkdtemp(prefix="piper-run-",
-                                       dir=os.environ.get("PIPER_RUN_DIR"))
         self.actors: list = []
         self.results: list[StepResult] = []
         self.peaks = [0] * world
         self.outs: list = []
-        try:  # from here on, close() undoes whatever was done (folder, Ray, actors)
-            self.started = ensure_ray(address)
+        self.nodes: tuple[str, ...] = ()
+        self.placement: Placement | None = None
+        self.board = None
+        try:  # from here on, close() undoes whatever was done (placement, Ray, actors)
+            joined = cluster_address(address) is not None
+            self.started = connect(address, ship=[spec.source[0]])
             _check_cluster(world, device)
+            resources = rank_resources(device, joined)
+            self.placement = place(world, per_node or default_per_node(world, resources,
+                                                                       joined), resources)
+            self.board = progress.board(f"{progress.BOARD_PREFIX}{uuid.uuid4().hex[:12]}")
             threads = max(1, (os.cpu_count() or 1) // world)
-            master = f"127.0.0.1:{_free_port()}"
-            gpu = 1 if device == "cuda" else 0
-            self.actors = [RemoteWorker.options(num_cpus=0, num_gpus=gpu).remote(
-                r, world, master, spec.source, device, threads, self.folder)
+            source = remote_source(spec.source)
+            self.actors = [RemoteWorker.options(
+                num_cpus=resources.get("CPU", 0), num_gpus=resources.get("GPU", 0),
+                **self.placement.options(r)).remote(r, world, source, device, threads,
+                                                    self.board)
                 for r in range(world)]
-            # setup also starts the processes and captures the model: it gets more time
-            _Waiter(max(timeout_s, SETUP_MIN_S) + DEADLINE_SLACK_S, self.folder)(
-                [a.setup.remote(plan, batch_size, seed, timeout_s, train, done)
-                 for a in self.actors],
-                "setup")
+            # starting processes and capturing the model take a while: more time
+            setup = _Waiter(max(timeout_s, SETUP_MIN_S) + DEADLINE_SLACK_S, self)
+            self.nodes = tuple(setup([a.node.remote() for a in self.actors],
+                                     "starting the workers"))
+            self._check_paths(setup, spec, train, shared)
+            master = setup([self.actors[0].listen.remote(timeout_s)], "opening the "
+                           "rendezvous")[0]
+            setup([a.setup.remote(plan, batch_size, seed, timeout_s, train, done, master)
+                   for a in self.actors], "setup")
         except BaseException:
             self.close()
             raise
-        self.wait = _Waiter(timeout_s + DEADLINE_SLACK_S, self.folder)
+        self.wait = _Waiter(timeout_s + DEADLINE_SLACK_S, self)
+
+    def _check_paths(self, wait: _Waiter, spec: ModelSpec, train: TrainConfig | None,
+                     shared: tuple[str, ...]) -> None:
+        """What the ranks read or write by path is there on every node: the model (unless
+        shipped), `--data`, and each shared folder (a marker written here must be seen
+        there, so a folder that merely exists on each node does not pass)."""
+        needs = {"the model": remote_source(spec.source)[0]}  # a folder: with its weights
+        if train and train.data:
+            needs["--data"] = os.path.abspath(train.data)
+        markers = []
+        for folder in shared:
+            os.makedirs(folder, exist_ok=True)
+            marker = os.path.join(os.path.abspath(folder), f".piper-check-{uuid.uuid4().hex}")
+            open(marker, "w").close()
+            markers.append(marker)
+            needs[f"{folder} (made on this machine)"] = marker
+        first = {}
+        for r, n in enumerate(self.nodes):
+            first.setdefault(n, r)
+        try:
+            missing = wait([self.actors[r].missing.remote(list(needs.values()))
+                            for r in first.values()], "checking paths")
+        finally:
+            for m in markers:
+                os.remove(m)
+        for node, gone in zip(first, missing):
+            for what, path in needs.items():
+                if path in gone:
+                    ranks = [r for r, n in enumerate(self.nodes) if n == node]
+                    raise PiperError(f"{what} ({path}) is not on node {node} ({_ranks(ranks)}"
+                                     "): put it on storage every node mounts at the same "
+                                     "path")
 
     def __enter__(self) -> Self:
         return self
@@ -207,26 +256,36 @@ class Job:
         spans = tuple(Span(r, stream, t, a, b) for r, o in enumerate(self.outs)
                       for stream, t, a, b in o.spans)
         return RunResult(tuple(self.results), tuple(self.peaks), self.plan, spans,
-                         tuple(o.model_state_bytes for o in self.outs))
+                         tuple(o.model_state_bytes for o in self.outs), self.nodes)
+
+    def reports(self) -> dict[int, Progress]:
+        """What each rank last said it was doing (empty if the board cannot be read)."""
+        return progress.read(self.board) if self.board is not None else {}
 
     def close(self) -> None:
         for a in self.actors:  # on success too: the processes end now, not when Ray gets
             ray.kill(a, no_restart=True)  # to it
         self.actors = []
-        shutil.rmtree(self.folder, ignore_errors=True)
+        if self.board is not None:
+            ray.kill(self.board, no_restart=True)
+            self.board = None
+        if self.placement is not None:
+            self.placement.remove()
+            self.placement = None
         if self.started:
             self.started = False
-            ray.shutdown()
+            disconnect()
 
 
 class _Waiter:
     """Waits for one phase (setup, a step) on every rank and stops at the first failure: a
-    rank that raised, a rank whose process died, or a phase past its deadline. Each message
-    names the rank and, from its progress file, the task it was running."""
+    rank that raised, a rank whose process or node died, or a phase past its deadline. Each
+    message names the rank (and a lost node) and, from the job's progress board, the task
+    it was running."""
 
-    def __init__(self, deadline_s: float, folder: str) -> None:
+    def __init__(self, deadline_s: float, job: Job) -> None:
         self.deadline_s = deadline_s
-        self.folder = folder
+        self.job = job
 
     def __call__(self, refs: list, what: str) -> list:
         rank_of = {ref: r for r, ref in enumerate(refs)}
@@ -238,7 +297,8 @@ class _Waiter:
             if left <= 0:
                 ranks = sorted(rank_of[ref] for ref in pending)
                 raise RuntimeFailure(f"{_ranks(ranks)} did not finish {what} within "
-                                     f"{self.deadline_s:.0f}s: " + self._where_all(ranks, what))
+                                     f"{self.deadline_s:.0f}s: "
+                                     + self._where_all(ranks, what, self.job.reports()))
             # short waits, so Ctrl-C is seen promptly while nothing happens
             ready, pending = ray.wait(pending, num_returns=1, timeout=min(left, POLL_S))
             for ref in ready:
@@ -259,29 +319,59 @@ class _Waiter:
                     ray.get(ref)
                 except RayError as e:
                     errors[rank_of[ref]] = e
+        reports = self.job.reports()
+        lost = self._lost_nodes(errors, reports)
         died = [r for r, e in errors.items() if isinstance(e, RayActorError)]
         first = died[0] if died else rank
-        msg = self._describe(first, errors[first], what)
-        then = [r for r in errors if r != first]
+        if lost:
+            msg = "; ".join(self._describe_lost(node, ranks, reports, what)
+                            for node, ranks in lost.items())
+            gone = {r for ranks in lost.values() for r in ranks}
+        else:
+            msg = self._describe(first, errors[first], what, reports)
+            gone = {first}
+        then = [r for r in errors if r not in gone]
         if then:
             msg += "; then " + "; ".join(f"rank {r} failed ({_reason(errors[r])})" for r in then)
-        still = sorted(rank_of[ref] for ref in pending)
+        still = sorted(rank_of[ref] for ref in pending if rank_of[ref] not in gone)
         if still:
-            msg += "; still running: " + self._where_all(still, what)
+            msg += "; still running: " + self._where_all(still, what, reports)
         return msg
 
-    def _describe(self, rank: int, err: RayError, what: str) -> str:
-        p = read_progress(self.folder, rank)
+    def _lost_nodes(self, errors: dict[int, RayError], reports: dict[int, Progress]
+                    ) -> dict[str, list[int]]:
+        """Nodes of this job that Ray reports dead, or whose every rank went silent or
+        died (Ray learns of a lost node only after its health checks fail)."""
+        nodes = self.job.nodes
+        if len(set(nodes)) < 2:
+            return {}  # all on one node: a rank's death says it all
+        dead = {n.get("NodeManagerAddress") for n in ray.nodes() if not n.get("Alive")}
+        out = {}
+        for node in dict.fromkeys(nodes):
+            ranks = [r for r, n in enumerate(nodes) if n == node]
+            if node in dead or all(isinstance(errors.get(r), RayActorError)
+                                   or (r in reports and reports[r].silent) for r in ranks):
+                out[node] = ranks
+        return out
+
+    def _describe_lost(self, node: str, ranks: list[int], reports: dict[int, Progress],
+                       what: str) -> str:
+        where = self._where_all(ranks, what, reports)
+        return f"node {node} was lost ({_ranks(ranks)}): {where}"
+
+    def _describe(self, rank: int, err: RayError, what: str,
+                  reports: dict[int, Progress]) -> str:
+        p = reports.get(rank)
         where = p.describe() if p else f"during {what}"
         if isinstance(err, RayActorError):
             pid = f" (pid {p.pid})" if p else ""
             return f"rank {rank}{pid} died {where}: its worker process exited unexpectedly"
         return f"rank {rank} failed {where}: {_reason(err)}"
 
-    def _where_all(self, ranks: list[int], what: str) -> str:
+    def _where_all(self, ranks: list[int], what: str, reports: dict[int, Progress]) -> str:
         out = []
         for r in ranks:
-            p = read_progress(self.folder, r)
+            p = reports.get(r)
             out.append(f"rank {r} {p.describe() if p else f'during {what}'}")
         return "; ".join(out)
 

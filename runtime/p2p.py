@@ -12,6 +12,7 @@ their own (own sockets, own tag space) that share one device: one I/O thread for
 from __future__ import annotations
 
 import datetime
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,7 +49,7 @@ def make_links(keys: list[Key], store: dist.Store | None,
     gloo = store is not None and dist.get_backend() == "gloo"
     if gloo:
         opts = ProcessGroupGloo._Options()
-        opts._devices = [ProcessGroupGloo.create_default_device()]
+        opts._devices = [gloo_device()]
         if timeout is not None:
             opts._timeout = timeout
     out: dict[Key, Link] = {}
@@ -61,3 +62,12 @@ def make_links(keys: list[Key], store: dist.Store | None,
             out[(a, b, grad)] = Link(ProcessGroupGloo(prefixed, ranks.index(me), 2, opts),
                                      ranks)
     return out
+
+
+def gloo_device() -> Any:
+    """A gloo transport device where the process groups have theirs: on the interface
+    GLOO_SOCKET_IFNAME names (`runtime.worker.use_interface_of`), else gloo's default."""
+    name = os.environ.get("GLOO_SOCKET_IFNAME", "").split(",")[0]
+    if name:
+        return ProcessGroupGloo.create_device(interface=name)
+    return ProcessGroupGloo.create_default_device()

@@ -33,7 +33,8 @@ from cost_models.probes import (
 from piper.capture import capture
 from piper.errors import PiperError
 from piper.model_file import ModelSpec, load_model
-from runtime.launcher import RuntimeFailure, _free_port, ensure_ray
+from runtime.cluster import connect, disconnect, remote_source
+from runtime.launcher import RuntimeFailure, _free_port
 
 
 @dataclass(frozen=True)
@@ -103,12 +104,12 @@ def measure(spec: ModelSpec, *, gpus: int, device: str, plan: ProbePlan | None =
     if gpus < 2:
         raise PiperError(f"profile needs --gpus >= 2 to time communication, got {gpus}")
     plan = plan or ProbePlan()
-    started = ensure_ray(address)
+    started = connect(address, ship=[spec.source[0]])
     threads = max(1, (os.cpu_count() or 1) // gpus)  # what runtime.launcher gives a rank
     master = f"127.0.0.1:{_free_port()}"
     gpu = 1 if device == "cuda" else 0
     actors = [RemoteProbe.options(num_cpus=0, num_gpus=gpu).remote(
-        r, gpus, master, spec.source, device, threads)
+        r, gpus, master, remote_source(spec.source), device, threads)
         for r in range(gpus)]
     try:
         _gather([a.setup.remote(timeout_s) for a in actors], timeout_s, "setup")
@@ -124,7 +125,7 @@ def measure(spec: ModelSpec, *, gpus: int, device: str, plan: ProbePlan | None =
         for a in actors:
             ray.kill(a, no_restart=True)
         if started:
-            ray.shutdown()
+            disconnect()
     return Measurements(device=device, device_name=_device_name(device), ranks=gpus,
                         memory_bytes=_memory_per_rank(device, gpus),
                         cores=effective_cores(sharing) if device == "cpu" else None,

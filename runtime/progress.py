@@ -1,52 +1,27 @@
 """What each rank is doing right now, kept where the driver can read it after the rank died.
 
-A worker that dies (killed, segfault, out of memory) can no longer be asked what it was doing,
-so each rank overwrites a small file in place: its pid, the step, and the task each of its
-logical streams is running. One `pwrite` per task costs microseconds and survives the process.
-The driver reads the file only when something went wrong. Ranks on other machines write on
-their own disk; for those the driver says it does not know (`read_progress` returns None).
+A worker that dies (killed, out of memory, its node lost) can no longer be asked what it was
+doing, so each rank keeps its pid, node, phase and the task each logical stream is running
+in memory (one assignment per task), and a thread of its own sends what changed to the job's
+`ProgressBoard`, an actor on the driver's node, at most `PUSH_S` later; unchanged, it still
+sends every `HEARTBEAT_S`. Everything travels through Ray, so ranks on other hosts report as
+local ones do. The driver reads the board only when something went wrong.
 """
 
 from __future__ import annotations
 
 import os
+import threading
+import time
 from dataclasses import dataclass, field
-from pathlib import Path
+from typing import Any
 
-SLOT = 64  # bytes per line; a line is overwritten in place, never grown
-HEADER = 0  # line 0: pid and phase; lines 1.. : one per logical stream
+import ray
 
-
-def progress_path(folder: str | Path, rank: int) -> Path:
-    return Path(folder) / f"rank{rank}"
-
-
-class ProgressFile:
-    """Worker side: `phase("step 3")`, then `task("compute", "F1.2")` before each task."""
-
-    def __init__(self, path: str | Path) -> None:
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
-        self.pid = os.getpid()
-        self.slots: dict[str, int] = {}
-        self.phase("started")
-
-    def phase(self, what: str) -> None:
-        """A new phase ("setup", "step 3", "after step 3"): the streams' tasks are cleared."""
-        for slot in self.slots.values():
-            self._write(slot, "")
-        self._write(HEADER, f"pid {self.pid} {what}")
-
-    def task(self, stream: str, name: str) -> None:
-        slot = self.slots.setdefault(stream, len(self.slots) + 1)  # atomic under the GIL
-        self._write(slot, f"{stream} {name}")
-
-    def close(self) -> None:
-        os.close(self.fd)
-
-    def _write(self, slot: int, line: str) -> None:
-        data = line.encode()[:SLOT - 1].ljust(SLOT - 1) + b"\n"
-        os.pwrite(self.fd, data, slot * SLOT)
+PUSH_S = 0.1  # a report is at most this old
+HEARTBEAT_S = 1.0  # an idle rank still reports this often
+SILENT_S = 5.0  # a rank not heard from for this long is gone (its process, or its node)
+BOARD_PREFIX = "piper-progress-"  # a job's board is a named actor: tools can find it
 
 
 @dataclass(frozen=True)
@@ -56,6 +31,8 @@ class Progress:
     pid: int
     phase: str  # "setup", "step 3", "after step 3", ...
     tasks: dict[str, str] = field(default_factory=dict)  # stream -> task it last started
+    node: str = ""  # the node's IP address
+    age_s: float = 0.0  # since the board heard from the rank
 
     def describe(self) -> str:
         if self.phase.startswith("after"):
@@ -66,19 +43,81 @@ class Progress:
                             for s, t in self.tasks.items())
         return f"during {self.phase} while running task {running}"
 
+    @property
+    def silent(self) -> bool:
+        return self.age_s > SILENT_S
 
-def read_progress(folder: str | Path, rank: int) -> Progress | None:
-    """The rank's last report, or None if there is none here (another machine, or too early)."""
+
+class ProgressBoard:
+    """The job's reports, one per rank (a Ray actor; `board`)."""
+
+    def __init__(self) -> None:
+        self.reports: dict[int, tuple[int, str, dict[str, str], str, float]] = {}
+
+    def report(self, rank: int, pid: int, phase: str, tasks: dict[str, str], node: str) -> None:
+        self.reports[rank] = (pid, phase, tasks, node, time.monotonic())
+
+    def read(self) -> dict[int, Progress]:
+        now = time.monotonic()
+        return {r: Progress(pid, phase, tasks, node, now - t)
+                for r, (pid, phase, tasks, node, t) in self.reports.items()}
+
+
+RemoteBoard = ray.remote(num_cpus=0)(ProgressBoard)
+
+
+def board(name: str | None = None) -> Any:
+    """A board on the driver's node (a node lost takes its own ranks, not their reports)."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    here = ray.get_runtime_context().get_node_id()
+    opts: dict[str, Any] = {"name": name} if name else {}
+    if here:
+        opts["scheduling_strategy"] = NodeAffinitySchedulingStrategy(here, soft=True)
+    return RemoteBoard.options(**opts).remote()
+
+
+def read(board: Any, timeout_s: float = 5.0) -> dict[int, Progress]:
+    """The board's reports, or none if it cannot be read in time."""
     try:
-        lines = progress_path(folder, rank).read_text().splitlines()
-    except OSError:
-        return None
-    if not lines or not lines[0].startswith("pid "):
-        return None
-    _, pid, *phase = lines[0].split()
-    tasks = {}
-    for line in lines[1:]:
-        parts = line.split()
-        if len(parts) == 2:
-            tasks[parts[0]] = parts[1]
-    return Progress(int(pid), " ".join(phase), tasks)
+        return ray.get(board.read.remote(), timeout=timeout_s)
+    except Exception:  # noqa: BLE001 - a report is a nicety of an error message
+        return {}
+
+
+class Reporter:
+    """Worker side: `phase("step 3")`, then `task("compute", "F1.2")` before each task."""
+
+    def __init__(self, board: Any, rank: int, node: str) -> None:
+        self.board, self.rank, self.node = board, rank, node
+        self.pid = os.getpid()
+        self.tasks: dict[str, str] = {}
+        self.what = "started"
+        self.version = 0
+        self.closed = threading.Event()
+        threading.Thread(target=self._push, daemon=True, name="piper-progress").start()
+
+    def phase(self, what: str) -> None:
+        """A new phase ("setup", "step 3", "after step 3"): the streams' tasks are cleared."""
+        self.tasks = {}
+        self.what = what
+        self.version += 1
+
+    def task(self, stream: str, name: str) -> None:
+        self.tasks[stream] = name  # atomic under the GIL, from any stream's thread
+        self.version += 1
+
+    def close(self) -> None:
+        self.closed.set()
+
+    def _push(self) -> None:
+        sent, last = -1, 0.0
+        while not self.closed.wait(PUSH_S):
+            now = time.monotonic()
+            if self.version != sent or now - last >= HEARTBEAT_S:
+                sent, last = self.version, now
+                try:
+                    self.board.report.remote(self.rank, self.pid, self.what,
+                                             self.tasks.copy(), self.node)
+                except Exception:  # noqa: BLE001 - Ray going down under a closing worker
+                    return

@@ -14,45 +14,75 @@ import torch.distributed as dist
 from piper.capture import capture
 from piper.collectives import EP_GROUP, TP_GROUP, bind_group
 from piper.model_file import load_model
+from piper.shipped import local_path
 from runtime.executor import RankExecutor, StepOutcome
 from runtime.p2p import make_links
 from runtime.plan import PAIR_STREAM, Plan
-from runtime.progress import ProgressFile, progress_path
+from runtime.progress import Reporter
 from runtime.training import TrainConfig
 
 
 class Worker:
-    """One rank in its own process. Methods are called in order: setup, step*, shutdown."""
+    """One rank in its own process. Methods are called in order: node, missing (one rank
+    per node), listen (rank 0), setup, step*, shutdown."""
 
-    def __init__(self, rank: int, world: int, master: str, model: tuple, device: str,
-                 threads: int, progress_dir: str | None = None) -> None:
-        self.rank, self.world, self.master = rank, world, master
-        self.model = model  # `ModelSpec.source`
+    def __init__(self, rank: int, world: int, model: tuple, device: str, threads: int,
+                 board: Any = None) -> None:
+        self.rank, self.world = rank, world
+        self.model = model  # `ModelSpec.source`, as `runtime.cluster.remote_source` names it
         self.device_type = device
         torch.set_num_threads(threads)
         with contextlib.suppress(OSError):  # a cluster started elsewhere: at its niceness
             os.setpriority(os.PRIO_PROCESS, 0, 0)  # (lowering it needs the privilege)
+        self.ip = ray.util.get_node_ip_address()
+        self.store: dist.TCPStore | None = None
         self.ex: RankExecutor | None = None
         self.steps = 0
         # what this rank is doing, for the driver to name if the process dies (see progress)
-        self.progress = ProgressFile(progress_path(progress_dir, rank)) if progress_dir else None
+        self.progress = Reporter(board, rank, self.ip) if board is not None else None
         if self.progress:
             self.progress.phase("setup")
 
+    def node(self) -> str:
+        """The IP address of this rank's node."""
+        return self.ip
+
+    def missing(self, paths: list[str]) -> list[str]:
+        """Those of `paths` this node does not have."""
+        out = []
+        for p in paths:
+            try:
+                there = os.path.exists(local_path(p))
+            except FileNotFoundError:
+                there = False
+            if not there:
+                out.append(p)
+        return out
+
+    def listen(self, timeout_s: float) -> tuple[str, int]:
+        """Rank 0: open the rendezvous store on a free port of this node; every rank joins
+        it at the address returned (no port is picked on one machine for use on another)."""
+        self.store = dist.TCPStore(self.ip, 0, self.world, is_master=True,
+                                   wait_for_workers=False,
+                                   timeout=datetime.timedelta(seconds=timeout_s))
+        return self.ip, self.store.port
+
     def setup(self, plan: Plan, batch_size: int, seed: int, timeout_s: float,
-              train: TrainConfig | None = None, done: int = 0) -> int:
+              train: TrainConfig | None = None, done: int = 0,
+              master: tuple[str, int] = ("127.0.0.1", 0)) -> int:
         if self.device_type == "cuda":
             device = torch.device("cuda", 0)  # Ray sets CUDA_VISIBLE_DEVICES to our GPU
             torch.cuda.set_device(device)
             backend = "nccl"
         else:
             device, backend = torch.device("cpu"), "gloo"
+            use_interface_of(self.ip)
         timeout = datetime.timedelta(seconds=timeout_s)
-        dist.init_process_group(backend, init_method=f"tcp://{self.master}", rank=self.rank,
-                                world_size=self.world, timeout=timeout)
+        store = self.store or dist.TCPStore(master[0], master[1], self.world, is_master=False,
+                                            timeout=timeout)
+        dist.init_process_group(backend, store=store, rank=self.rank, world_size=self.world,
+                                timeout=timeout)
         mesh = plan.mesh
-        host, port = self.master.rsplit(":", 1)
-        store = dist.TCPStore(host, int(port), self.world, is_master=False, timeout=timeout)
         groups = process_groups(plan, timeout, store)
         logical, t = mesh.split(self.rank)
         for lane in (0, 1) if plan.paired else (0,):
@@ -97,6 +127,22 @@ class Worker:
     def shutdown(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
+        if self.progress:
+            self.progress.close()
+
+
+def use_interface_of(ip: str) -> None:
+    """Gloo binds the interface named by GLOO_SOCKET_IFNAME, else the address this host's
+    name resolves to, often 127.0.0.1, which peers on other hosts cannot reach: name the
+    interface that holds the node's own address (unless the user named one)."""
+    if os.environ.get("GLOO_SOCKET_IFNAME"):
+        return
+    import psutil
+
+    for name, addrs in psutil.net_if_addrs().items():
+        if any(a.address == ip for a in addrs):
+            os.environ["GLOO_SOCKET_IFNAME"] = name
+            return
 
 
 def process_groups(plan: Plan, timeout: datetime.timedelta | None = None,

@@ -17,22 +17,34 @@ import time
 import uuid
 from pathlib import Path
 
+import ray
+
 from planner.cli import main
-from runtime.progress import Progress, read_progress
+from runtime.progress import BOARD_PREFIX, Progress, read
 from tests.conftest import GPT, ROOT, TINY
 
 RUN = ["run", GPT, *TINY, "--gpus", "2", "--dp", "2", "--microbatches", "4", "--device", "cpu",
        "--steps", "1500", "--json"]  # more steps than the test waits for, bounded if it fails
 
 
-class Saboteur(threading.Thread):
-    """Waits until `rank` is inside step `at_step` (read from the run's progress files), then
-    does `act(progress)` once and remembers when."""
+def _reports() -> dict[int, Progress]:
+    """The ranks' reports on the progress board of the job running in this process's Ray."""
+    for name in ray.util.list_named_actors():
+        if name.startswith(BOARD_PREFIX):
+            try:
+                return read(ray.get_actor(name), timeout_s=1.0)
+            except ValueError:  # the job ended meanwhile
+                pass
+    return {}
 
-    def __init__(self, runs: Path, rank: int, at_step: int, act, in_task: bool = False
-                 ) -> None:
+
+class Saboteur(threading.Thread):
+    """Waits until `rank` is inside step `at_step` (read from the job's progress board),
+    then does `act(progress)` once and remembers when."""
+
+    def __init__(self, rank: int, at_step: int, act, in_task: bool = False) -> None:
         super().__init__(daemon=True)
-        self.runs, self.rank, self.at_step, self.act = runs, rank, at_step, act
+        self.rank, self.at_step, self.act = rank, at_step, act
         self.in_task = in_task  # wait until the rank is inside a task, not between tasks
         self.progress: Progress | None = None
         self.pids: list[int] = []
@@ -41,14 +53,14 @@ class Saboteur(threading.Thread):
 
     def run(self) -> None:
         while not self.stop:
-            for folder in self.runs.glob("piper-run-*"):
-                p = read_progress(folder, self.rank)
-                if (p and p.phase.startswith("step") and int(p.phase.split()[1]) >= self.at_step
-                        and (p.tasks or not self.in_task)):
-                    self.pids = [q.pid for r in range(2) if (q := read_progress(folder, r))]
-                    self.progress, self.at = p, time.perf_counter()
-                    self.act(p)
-                    return
+            reports = _reports()
+            p = reports.get(self.rank)
+            if (p and p.phase.startswith("step") and int(p.phase.split()[1]) >= self.at_step
+                    and (p.tasks or not self.in_task)):
+                self.pids = [q.pid for r in range(2) if (q := reports.get(r))]
+                self.progress, self.at = p, time.perf_counter()
+                self.act(p)
+                return
             time.sleep(0.02)
 
 
@@ -79,10 +91,8 @@ def _run_with(saboteur: Saboteur, capsys, argv: list[str]) -> tuple[int, str, fl
     return rc, err[-1], time.perf_counter() - saboteur.at
 
 
-def test_killed_worker_is_named_with_its_task_within_60s(ray_session, capsys, tmp_path,
-                                                          monkeypatch):
-    monkeypatch.setenv("PIPER_RUN_DIR", str(tmp_path))
-    s = Saboteur(tmp_path, rank=1, at_step=1, act=lambda p: os.kill(p.pid, signal.SIGKILL),
+def test_killed_worker_is_named_with_its_task_within_60s(ray_session, capsys):
+    s = Saboteur(rank=1, at_step=1, act=lambda p: os.kill(p.pid, signal.SIGKILL),
                  in_task=True)
     rc, line, detect_s = _run_with(s, capsys, RUN)
     print(f"detected a killed worker in {detect_s:.2f} s")
@@ -93,16 +103,14 @@ def test_killed_worker_is_named_with_its_task_within_60s(ray_session, capsys, tm
     assert all(_gone(pid, 30) for pid in s.pids), "the surviving rank was killed too"
 
 
-def test_hung_worker_hits_the_process_group_timeout(ray_session, capsys, tmp_path,
-                                                    monkeypatch):
+def test_hung_worker_hits_the_process_group_timeout(ray_session, capsys):
     """A stopped rank is reported, naming it, within the timeout plus the driver's slack.
 
     Where the stop lands decides who notices: inside a step before its collectives, the
     partner's all-reduce times out (--timeout reaches the process groups) and the message
     names the silent rank too; after them (in the update), the partner finishes the step and
     the driver's deadline for the step (timeout + 10 s) names the silent rank itself."""
-    monkeypatch.setenv("PIPER_RUN_DIR", str(tmp_path))
-    s = Saboteur(tmp_path, rank=1, at_step=1, act=lambda p: os.kill(p.pid, signal.SIGSTOP))
+    s = Saboteur(rank=1, at_step=1, act=lambda p: os.kill(p.pid, signal.SIGSTOP))
     try:
         rc, line, detect_s = _run_with(s, capsys, [*RUN, "--timeout", "3"])
     finally:
@@ -120,11 +128,10 @@ def test_hung_worker_hits_the_process_group_timeout(ray_session, capsys, tmp_pat
     assert detect_s < 3 + 10 + 2
 
 
-def test_ctrl_c_stops_every_worker(ray_session, capsys, tmp_path, monkeypatch):
-    monkeypatch.setenv("PIPER_RUN_DIR", str(tmp_path))
+def test_ctrl_c_stops_every_worker(ray_session, capsys):
     # interrupt_main does nothing unless Python's own handler is in place
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
-    s = Saboteur(tmp_path, rank=0, at_step=1, act=lambda p: _thread.interrupt_main())
+    s = Saboteur(rank=0, at_step=1, act=lambda p: _thread.interrupt_main())
     rc, line, _ = _run_with(s, capsys, RUN)
     assert rc == 130 and line == "error: interrupted"
     assert len(s.pids) == 2
@@ -144,44 +151,43 @@ def _marked(marker: str) -> list[int]:
     return [pid for pid in out if not _gone(pid, 0.01)]
 
 
-def test_interrupted_cli_run_leaves_no_process_behind(tmp_path):
+def test_interrupted_cli_run_leaves_no_process_behind():
     """`piper-plan run` starts its own Ray; after Ctrl-C no raylet, GCS or worker is left."""
     marker = f"PIPER_TEST_MARK={uuid.uuid4().hex}"
-    env = {**os.environ, "PIPER_RUN_DIR": str(tmp_path), marker.split("=")[0]:
-           marker.split("=")[1]}
+    env = {**os.environ, marker.split("=")[0]: marker.split("=")[1]}
     p = subprocess.Popen([sys.executable, "-m", "planner.cli", *RUN], cwd=ROOT, env=env,
                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    said: list[str] = []
+    threading.Thread(target=lambda: said.extend(p.stderr), daemon=True).start()
     try:
         end = time.monotonic() + 120
         while time.monotonic() < end and p.poll() is None:
-            ps = [read_progress(f, 0) for f in tmp_path.glob("piper-run-*")]
-            if any(q and q.phase.startswith(("step 1", "after step 1")) for q in ps):
+            if any(line.startswith("step 2/") for line in said):
                 break
             time.sleep(0.1)
-        assert p.poll() is None, p.stderr.read()
+        assert p.poll() is None, "".join(said)
         assert len(_marked(marker)) > 3, "Ray's processes and the workers are up"
         p.send_signal(signal.SIGINT)
-        _, err = p.communicate(timeout=60)
+        p.wait(timeout=60)
     finally:
         if p.poll() is None:
             p.kill()
-    assert p.returncode == 130, err
-    assert err.strip().splitlines()[-1] == "error: interrupted"
+    time.sleep(0.5)  # the reader thread takes the last lines
+    assert p.returncode == 130, "".join(said)
+    assert said[-1].strip() == "error: interrupted"
     end = time.monotonic() + 20
     while _marked(marker) and time.monotonic() < end:
         time.sleep(0.2)
     assert _marked(marker) == []
 
 
-def test_killed_worker_then_resume_loses_no_step(ray_session, capsys, tmp_path, monkeypatch):
+def test_killed_worker_then_resume_loses_no_step(ray_session, capsys, tmp_path):
     """A rank killed mid-training ends the run (exit 3, naming it); the same command with
     --resume continues from the newest complete checkpoint: no step lost or repeated, the
     same losses as uninterrupted single-device training."""
-    runs, ckpt = tmp_path / "runs", tmp_path / "ckpt"
-    runs.mkdir()
-    monkeypatch.setenv("PIPER_RUN_DIR", str(runs))
+    ckpt = tmp_path / "ckpt"
     argv = [*RUN, "--checkpoint-dir", str(ckpt), "--checkpoint-every", "2"]
-    s = Saboteur(runs, rank=1, at_step=5, act=lambda p: os.kill(p.pid, signal.SIGKILL),
+    s = Saboteur(rank=1, at_step=5, act=lambda p: os.kill(p.pid, signal.SIGKILL),
                  in_task=True)
     rc, line, _ = _run_with(s, capsys, argv)
     assert rc == 3 and line.startswith("error: rank 1"), line

@@ -150,8 +150,7 @@ def test_driver_killed_while_saving_leaves_the_previous_checkpoint(ray_session, 
             "2", *TRAIN, "--steps", "60", "--checkpoint-dir", str(ckpt),
             "--checkpoint-every", "1", "--address", address]
     p = subprocess.Popen([sys.executable, "-m", "planner.cli", *argv], cwd=ROOT,
-                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                         env={**os.environ, "PIPER_RUN_DIR": str(tmp_path)})
+                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     caught = None
     try:
         end = time.monotonic() + 180

@@ -1,0 +1,120 @@
+"""A run and a search spanning two hosts of a Ray cluster (`tests.hosts`: network, mount
+and PID namespaces on this machine, token authentication on), driven from this host through
+Ray Client, as from a laptop: the model file exists only here and reaches the hosts through
+Ray; pp2 x dp2 reproduces single-device losses with two ranks per host; a search runs trials
+on both hosts; a bad token or address is a one-line error (exit 2); a host's raylet killed
+mid-run is reported as a lost node within 60 s (exit 3)."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+import threading
+import time
+
+import optuna
+import pytest
+
+from tests.conftest import ROOT, TINY
+from tests.hosts import Hosts
+
+WHY_NOT = Hosts.available()
+pytestmark = pytest.mark.skipif(WHY_NOT is not None, reason=f"no hosts: {WHY_NOT}")
+
+
+@pytest.fixture(scope="module")
+def hosts(tmp_path_factory):
+    mine = tmp_path_factory.mktemp("driver")  # hidden from the hosts
+    model = mine / "model" / "gpt.py"
+    model.parent.mkdir()
+    shutil.copy(ROOT / "examples" / "gpt.py", model)
+    with Hosts(2, hidden=[mine], logs=tmp_path_factory.mktemp("hosts")) as h:
+        h.model = str(model)
+        h.home = mine
+        yield h
+
+
+def cli(hosts: Hosts, *argv: str, token: str | None = None, timeout: float = 300,
+        env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "planner.cli", *argv], check=False,
+                          cwd=hosts.home,
+                          env=env or hosts.env(token), capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_run_spans_both_hosts_and_matches_single_device(hosts):
+    r = cli(hosts, "run", hosts.model, *TINY, "--gpus", "4", "--pp", "2", "--dp", "2",
+            "--device", "cpu", "--steps", "3", "--gpus-per-node", "2", "--check", "--json",
+            "--address", hosts.client)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["check"]["passed"], out["check"]
+    a, b = out["nodes"][0], out["nodes"][2]
+    assert out["nodes"] == [a, a, b, b]  # blocks of --gpus-per-node ranks share a node
+    assert {a, b} == set(hosts.ips)
+    assert f"ranks 0-1 on {a}, ranks 2-3 on {b}" in r.stderr
+
+
+def test_search_runs_trials_on_both_hosts(hosts):
+    out = hosts.home / "search"
+    env = {**hosts.env(), "RAY_ADDRESS": hosts.client}  # the address from the environment
+    r = cli(hosts, "search", hosts.model, *TINY, "--gpus", "4", "--trials", "8",
+            "--backend", "ray", "--out", str(out), env=env)
+    assert r.returncode == 0, r.stderr
+    study = optuna.load_study(study_name="piper-plan", storage=f"sqlite:///{out}/study.db")
+    nodes = [t.user_attrs.get("node") for t in study.trials]
+    assert len(nodes) == 8 and set(nodes) == set(hosts.ips), nodes
+
+
+def test_refused_token_and_foreign_address_are_one_line_errors(hosts):
+    r = cli(hosts, "run", hosts.model, *TINY, "--gpus", "2", "--device", "cpu",
+            "--address", hosts.gcs, token="0" * 64, timeout=120)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.strip().splitlines()[-1].startswith(
+        f"error: the Ray cluster at {hosts.gcs} refused this machine's token: set "
+        "RAY_AUTH_TOKEN"), r.stderr
+    # right token, but this machine is no node of the cluster: Ray Client is the way in
+    r = cli(hosts, "run", hosts.model, *TINY, "--gpus", "2", "--device", "cpu",
+            "--address", hosts.gcs, timeout=120)
+    assert r.returncode == 2, r.stderr
+    assert f"--address ray://{hosts.ips[0]}:10001" in r.stderr.strip().splitlines()[-1]
+    r = cli(hosts, "run", hosts.model, *TINY, "--gpus", "2", "--device", "cpu",
+            "--address", f"{hosts.driver_ip}:1", timeout=120)  # nothing listens there
+    assert r.returncode == 2
+    assert re.match(r"error: cannot reach the Ray cluster \(GCS\) at ", r.stderr.strip()
+                    .splitlines()[-1]), r.stderr
+
+
+def test_lost_host_is_named_within_60s(hosts):
+    """Last in this module: the second host is gone after it."""
+    p = subprocess.Popen(
+        [sys.executable, "-m", "planner.cli", "run", hosts.model, *TINY, "--gpus", "4",
+         "--pp", "2", "--dp", "2", "--device", "cpu", "--steps", "2000", "--gpus-per-node",
+         "2", "--address", hosts.client], cwd=hosts.home, env=hosts.env(),
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    said: list[str] = []
+    threading.Thread(target=lambda: said.extend(p.stderr), daemon=True).start()
+    try:
+        end = time.monotonic() + 240
+        while time.monotonic() < end and p.poll() is None:
+            if any(line.startswith("step 3/") for line in said):
+                break
+            time.sleep(0.1)
+        assert p.poll() is None, "".join(said)
+        assert hosts.kill_raylet(1), "no raylet found on the second host"
+        killed = time.monotonic()
+        p.wait(timeout=90)
+        took = time.monotonic() - killed
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait(timeout=30)
+    time.sleep(0.5)  # the reader thread takes the last lines
+    print(f"a lost host reported in {took:.1f} s")
+    assert p.returncode == 3, "".join(said)
+    assert re.match(rf"error: node {re.escape(hosts.ips[1])} was lost \(ranks (0, 1|2, 3)\)",
+                    said[-1]), said[-1]
+    assert took < 60

@@ -74,7 +74,7 @@ def connect(address: str | None = None, ship: Iterable[str] = ()) -> bool:
             ray.init(address=address, logging_level="ERROR", log_to_driver=False,
                      runtime_env=env or None)
     except ConnectionError as e:
-        _shipped.clear()
+        forget_shipped()
         if any("authentication token" in m for m in said):
             raise PiperError(f"the Ray cluster at {address} refused this machine's "
                              f"token: {TOKEN_HINT}") from None
@@ -88,6 +88,10 @@ def connect(address: str | None = None, ship: Iterable[str] = ()) -> bool:
 def disconnect() -> None:
     """Leave Ray and forget what was shipped to it."""
     ray.shutdown()
+    forget_shipped()
+
+
+def forget_shipped() -> None:
     _shipped.clear()
     for folder in _staging:
         shutil.rmtree(folder, ignore_errors=True)

@@ -157,7 +157,7 @@ class Job:
             joined = cluster_address(address) is not None
             self.started = connect(address, ship=[spec.source[0]])
             _check_cluster(world, device)
-            resources = rank_resources(device, joined)
+            resources = rank_resources(device, joined, world)
             self.placement = place(world, per_node or default_per_node(world, resources,
                                                                        joined), resources)
             self.board = progress.board(f"{progress.BOARD_PREFIX}{uuid.uuid4().hex[:12]}")
@@ -321,6 +321,18 @@ class _Waiter:
                     errors[rank_of[ref]] = e
         reports = self.job.reports()
         lost = self._lost_nodes(errors, reports)
+        end = time.monotonic() + progress.SILENT_S + 2 * progress.HEARTBEAT_S
+        while not lost and pending and len(set(self.job.nodes)) > 1 and time.monotonic() < end:
+            # a node's loss shows as its ranks dying or falling silent, seconds after their
+            # peers elsewhere fail: look again before blaming the first rank that failed
+            more, pending = ray.wait(pending, num_returns=len(pending), timeout=POLL_S / 2)
+            for ref in more:
+                try:
+                    ray.get(ref)
+                except RayError as e:
+                    errors[rank_of[ref]] = e
+            reports = self.job.reports()
+            lost = self._lost_nodes(errors, reports)
         died = [r for r, e in errors.items() if isinstance(e, RayActorError)]
         first = died[0] if died else rank
         if lost:

@@ -32,12 +32,14 @@ def blocks(world: int, per_node: int) -> list[range]:
     return [range(a, min(a + per_node, world)) for a in range(0, world, per_node)]
 
 
-def rank_resources(device: str, joined: bool) -> dict[str, float]:
-    """What one rank reserves: a GPU; or on a cluster joined, one CPU (a CPU rank keeps a
-    core busy, and CPU counts are what spread CPU ranks over nodes); else a token share."""
+def rank_resources(device: str, joined: bool, world: int = 1) -> dict[str, float]:
+    """What one rank reserves: a GPU; or on a cluster joined that has a CPU for every rank,
+    one CPU (a CPU rank keeps a core busy, and CPU counts are what spread CPU ranks over
+    nodes); else a token share (ranks share the cores, as on one machine)."""
     if device == "cuda":
         return {"GPU": 1.0}
-    return {"CPU": 1.0 if joined else SHARED_CPU}
+    whole = joined and ray.cluster_resources().get("CPU", 0) >= world
+    return {"CPU": 1.0 if whole else SHARED_CPU}
 
 
 def default_per_node(world: int, resources: dict[str, float], joined: bool) -> int:

@@ -29,3 +29,25 @@ def test_two_jobs_stepped_in_turn_each_train_like_one_device(ray_session):
     assert [s.loss for s in result.steps] == [x for x, _ in losses]
     assert result.spans and len(result.model_state_bytes) == 2
     assert not a.actors and not b.actors  # closed: the workers are gone
+    assert result.nodes == (result.nodes[0],) * 2  # one machine: both ranks on its node
+
+
+def test_paths_the_ranks_read_are_checked_on_every_node_first(ray_session, tmp_path):
+    """A `--data` file a node lacks is bad input naming the node, before any rank's setup;
+    a shared folder is checked by a marker the driver wrote, which is removed again."""
+    import pytest
+
+    from piper.errors import PiperError
+    from runtime.training import TrainConfig
+
+    spec = load_model_file(GPT, TINY)
+    plan = lower(spec, schedules.build("gpipe", [list(capture(spec, 2).graph.names)],
+                                       microbatches=1, pp=1), 1, 8)
+    missing = tmp_path / "tokens.bin"
+    with pytest.raises(PiperError, match=rf"--data \({missing}\) is not on node \S+ \(rank 0\)"
+                                         ": put it on storage every node mounts"):
+        Job(spec, plan, batch_size=8, seed=0, train=TrainConfig(data=str(missing)))
+    shared = tmp_path / "ckpt"
+    with Job(spec, plan, batch_size=8, seed=0, shared=(str(shared),)) as job:
+        assert job.actors
+    assert shared.is_dir() and not list(shared.iterdir())

@@ -2,7 +2,7 @@
 and PID namespaces on this machine, token authentication on), driven from this host through
 Ray Client, as from a laptop: the model file exists only here and reaches the hosts through
 Ray; pp2 x dp2 reproduces single-device losses with two ranks per host; a search runs trials
-on both hosts; a bad token or address is a one-line error (exit 2); a host's raylet killed
+on both hosts, and its best candidate runs there for real (--measure); a bad token or address is a one-line error (exit 2); a host's raylet killed
 mid-run is reported as a lost node within 60 s (exit 3)."""
 
 from __future__ import annotations
@@ -31,9 +31,11 @@ def hosts(tmp_path_factory):
     model = mine / "model" / "gpt.py"
     model.parent.mkdir()
     shutil.copy(ROOT / "examples" / "gpt.py", model)
+    shared = tmp_path_factory.mktemp("shared")  # storage every host mounts (for checkpoints)
     with Hosts(2, hidden=[mine], logs=tmp_path_factory.mktemp("hosts")) as h:
         h.model = str(model)
         h.home = mine
+        h.shared = shared
         yield h
 
 
@@ -58,12 +60,14 @@ def test_run_spans_both_hosts_and_matches_single_device(hosts):
     assert f"ranks 0-1 on {a}, ranks 2-3 on {b}" in r.stderr
 
 
-def test_search_runs_trials_on_both_hosts(hosts):
+def test_search_runs_trials_on_both_hosts_and_measures_there(hosts):
     out = hosts.home / "search"
     env = {**hosts.env(), "RAY_ADDRESS": hosts.client}  # the address from the environment
     r = cli(hosts, "search", hosts.model, *TINY, "--gpus", "4", "--trials", "8",
-            "--backend", "ray", "--out", str(out), env=env)
+            "--backend", "ray", "--out", str(out), "--measure", "1", "--device", "cpu",
+            "--gpus-per-node", "2", env=env)
     assert r.returncode == 0, r.stderr
+    assert re.search(r"measured 1/1: trial \d+: [\d.]+ ms", r.stderr), r.stderr
     study = optuna.load_study(study_name="piper-plan", storage=f"sqlite:///{out}/study.db")
     nodes = [t.user_attrs.get("node") for t in study.trials]
     assert len(nodes) == 8 and set(nodes) == set(hosts.ips), nodes
@@ -88,19 +92,24 @@ def test_refused_token_and_foreign_address_are_one_line_errors(hosts):
                     .splitlines()[-1]), r.stderr
 
 
-def test_lost_host_is_named_within_60s(hosts):
-    """Last in this module: the second host is gone after it."""
+def test_lost_host_is_named_within_60s_and_the_run_resumes_on_the_other(hosts):
+    """Last in this module: the second host is gone after it. The checkpoints are on storage
+    both hosts mount; the resumed run trains on the host that is left, under another
+    strategy, to the losses of uninterrupted single-device training."""
+    ckpt = hosts.shared / "ckpt"
+    common = [hosts.model, *TINY, "--device", "cpu", "--checkpoint-dir", str(ckpt),
+              "--address", hosts.client]
     p = subprocess.Popen(
-        [sys.executable, "-m", "planner.cli", "run", hosts.model, *TINY, "--gpus", "4",
-         "--pp", "2", "--dp", "2", "--device", "cpu", "--steps", "2000", "--gpus-per-node",
-         "2", "--address", hosts.client], cwd=hosts.home, env=hosts.env(),
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        [sys.executable, "-m", "planner.cli", "run", *common, "--gpus", "4", "--pp", "2",
+         "--dp", "2", "--steps", "2000", "--gpus-per-node", "2", "--checkpoint-every", "2"],
+        cwd=hosts.home, env=hosts.env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        text=True)
     said: list[str] = []
     threading.Thread(target=lambda: said.extend(p.stderr), daemon=True).start()
     try:
         end = time.monotonic() + 240
         while time.monotonic() < end and p.poll() is None:
-            if any(line.startswith("step 3/") for line in said):
+            if any(line.startswith("step 5/") for line in said):
                 break
             time.sleep(0.1)
         assert p.poll() is None, "".join(said)
@@ -118,3 +127,10 @@ def test_lost_host_is_named_within_60s(hosts):
     assert re.match(rf"error: node {re.escape(hosts.ips[1])} was lost \(ranks (0, 1|2, 3)\)",
                     said[-1]), said[-1]
     assert took < 60
+    done = max(int(d.name.split("-")[1]) for d in ckpt.glob("step-*"))
+    r = cli(hosts, "run", *common, "--gpus", "2", "--dp", "2", "--steps", str(done + 2),
+            "--resume", "--check", "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["check"]["passed"] and [s["step"] for s in out["steps"]] == [done, done + 1]
+    assert set(out["nodes"]) == {hosts.ips[0]}

@@ -32,10 +32,10 @@ from piper import schedules
 from piper.capture import capture
 from piper.model_file import load_model_file
 from planner.evaluate import Evaluator
+from planner.profiling import measure
 from runtime.cluster import connect
 from runtime.launcher import RuntimeFailure, run
 from runtime.lowering import lower
-from runtime.profiling import measure
 from search_spaces.partition import balanced_stages
 
 MODEL = str(ROOT / "examples" / "gpt.py")

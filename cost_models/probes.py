@@ -3,7 +3,7 @@
 Collectives and P2P run on real `torch.distributed` process groups (gloo on CPU, NCCL on
 CUDA) that the caller has initialised; chunks run the same stage modules the runtime runs
 (`runtime.stage_module.build_stage`), one region at a time, forward then backward, on real
-tensors. Nothing here starts processes: `runtime.profiling` hosts these in Ray actors.
+tensors. Nothing here starts processes: `planner.profiling` hosts these in Ray actors.
 """
 
 from __future__ import annotations

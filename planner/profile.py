@@ -52,7 +52,7 @@ def check_request(out: str, gpus: int) -> Path:
 def profile(spec: ModelSpec, *, gpus: int, device: str, batch: int, out: str,
             address: str | None = None) -> ProfileResult:
     """Measure, fit, write `out`; PiperError for bad input, RuntimeFailure for a rank."""
-    from runtime.profiling import ProbePlan, measure
+    from planner.profiling import ProbePlan, measure
 
     path = check_request(out, gpus)
     t0 = time.perf_counter()

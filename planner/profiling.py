@@ -33,8 +33,9 @@ from cost_models.probes import (
 from piper.capture import capture
 from piper.errors import PiperError
 from piper.model_file import ModelSpec, load_model
-from runtime.cluster import connect, disconnect, remote_source
+from runtime.cluster import cluster_address, connect, disconnect, remote_source
 from runtime.launcher import RuntimeFailure, _free_port
+from runtime.placement import place, rank_resources
 
 
 @dataclass(frozen=True)
@@ -107,8 +108,11 @@ def measure(spec: ModelSpec, *, gpus: int, device: str, plan: ProbePlan | None =
     started = connect(address, ship=[spec.source[0]])
     threads = max(1, (os.cpu_count() or 1) // gpus)  # what runtime.launcher gives a rank
     master = f"127.0.0.1:{_free_port()}"
-    gpu = 1 if device == "cuda" else 0
-    actors = [RemoteProbe.options(num_cpus=0, num_gpus=gpu).remote(
+    # one node's devices are profiled: every probe on one node (a loopback rendezvous)
+    needs = rank_resources(device, cluster_address(address) is not None, gpus)
+    where = place(gpus, gpus, needs)
+    actors = [RemoteProbe.options(num_cpus=needs.get("CPU", 0), num_gpus=needs.get("GPU", 0),
+                                  **where.options(r)).remote(
         r, gpus, master, remote_source(spec.source), device, threads)
         for r in range(gpus)]
     try:
@@ -124,6 +128,7 @@ def measure(spec: ModelSpec, *, gpus: int, device: str, plan: ProbePlan | None =
     finally:
         for a in actors:
             ray.kill(a, no_restart=True)
+        where.remove()
         if started:
             disconnect()
     return Measurements(device=device, device_name=_device_name(device), ranks=gpus,

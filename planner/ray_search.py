@@ -34,6 +34,7 @@ from planner.search import (
     _check_not_empty,
     describe,
     fits,
+    open_storage,
     score,
     starting_points,
     store,
@@ -56,7 +57,7 @@ def run_ray_search(evaluator: Evaluator, space: SearchSpace, *, trials: int,
     started = connect(address, ship=[evaluator.spec.source[0]])
     try:
         # no heartbeat (it needs Study.optimize); RDB storages pickle with the searcher
-        db = optuna.storages.get_storage(storage)
+        db = open_storage(storage)
         study = open_study(db, study_name, create=True)  # checks its shape before Tune does
         describe(study, evaluator)
         earlier = len(study.trials)

@@ -179,23 +179,47 @@ def describe(study: optuna.Study, evaluator: Evaluator) -> None:
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
         study.set_metric_names(list(OBJECTIVES))
     spec = evaluator.spec
-    about = {"model": spec.path, "model_args": [list(a) for a in spec.model_args],
+    about = {"model": spec.path, "model_path": spec.source[0], "model_args": [list(a) for a in spec.model_args],
              "gpus": evaluator.gpus, "batch_size": evaluator.batch_size,
              "cluster": evaluator.cluster.name, "precision": evaluator.precision,
              "memory_bytes": evaluator.cluster.memory_bytes}
+    had = study.user_attrs
+    if study.trials and "model" in had:
+        which = "model_path" if "model_path" in had else "model"  # resolved, where kept
+        differ = [k for k in (which, "model_args", "gpus", "batch_size", "cluster",
+                              "precision") if had.get(k) != about[k]]
+        if differ:  # its trials are strategies of another problem: never mix, never drop
+            was = ", ".join(f"{k} {had.get(k)!r}" for k in differ)
+            raise PiperError(f"study {study.study_name!r} already holds a search of another "
+                             f"problem ({was}; this one: "
+                             + ", ".join(f"{k} {about[k]!r}" for k in differ)
+                             + "): pass another --out or --study-name")
     for k, v in about.items():
-        if study.user_attrs.get(k) != v:
+        if had.get(k) != v:
             study.set_user_attr(k, v)
 
 
-def _storage(url: str) -> str | optuna.storages.BaseStorage:
+def _storage(url: str) -> optuna.storages.BaseStorage:
     """SQL storages get a heartbeat, so a trial left RUNNING by a killed search is failed
     (and counted as finished) instead of lingering."""
     if url.split(":", 1)[0].split("+")[0] in ("sqlite", "postgresql", "mysql"):
         with warnings.catch_warnings():  # heartbeats are "experimental" since optuna 2.9
             warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-            return optuna.storages.RDBStorage(url, heartbeat_interval=HEARTBEAT_S)
-    return url
+            return open_storage(url, heartbeat_interval=HEARTBEAT_S)
+    return open_storage(url)
+
+
+def open_storage(url: str, **kwargs: Any) -> optuna.storages.BaseStorage:
+    """The storage at `url` (`--storage`); one that cannot be opened is bad input."""
+    try:
+        if kwargs:
+            return optuna.storages.RDBStorage(url, **kwargs)
+        return optuna.storages.get_storage(url)
+    except Exception as e:  # noqa: BLE001 - SQLAlchemy and drivers raise many kinds
+        lines = str(e).strip().splitlines()
+        raise PiperError(f"--storage {url}: Optuna cannot open it ({type(e).__name__}: "
+                         f"{lines[0] if lines else ''}); give a database URL such as "
+                         "sqlite:///study.db or postgresql://user@host/db") from None
 
 
 def _check_not_empty(space: SearchSpace) -> None:

@@ -50,6 +50,10 @@ def search(args: argparse.Namespace) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     storage = args.storage or f"sqlite:///{(out / 'study.db').resolve()}"
+    if args.storage:
+        from planner.search import open_storage
+
+        open_storage(storage)  # a bad URL is said now, not after the capture
     t0 = time.perf_counter()
     ev = Evaluator(spec, args.gpus, batch, cluster, precision=planned_precision(args, cluster))
     graph = ev.graph

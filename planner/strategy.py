@@ -43,7 +43,9 @@ def shorthand_program(args: argparse.Namespace, gpus: int, regions: tuple[str, .
     if ep > 1 and not expert_regions:
         raise PiperError(f"--ep {ep}: the model has no piper.Experts layers to split")
     schedule = args.schedule or "1f1b"
-    v = args.virtual_stages or (2 if schedule == "dualpipev" else 1)
+    v = args.virtual_stages
+    if v is None:
+        v = 2 if schedule == "dualpipev" else 1
     if v < 1:
         raise PiperError(f"--virtual-stages must be >= 1, got {v}")
     if schedule == "dualpipev" and v != 2:

@@ -106,6 +106,23 @@ def test_resume_adds_trials_to_the_same_study(tmp_path, capsys):
         assert db.execute("select count(*) from trials").fetchone()[0] == 8
 
 
+def test_a_study_of_another_problem_is_refused_not_overwritten(tmp_path, capsys):
+    """The default study in one --out folder holds one problem: a second model there is a
+    one-line error (exit 2), and the first search's trials and description stay."""
+    argv = ["search", GPT, *TINY, "--gpus", "2", "--trials", "2", "--out", str(tmp_path)]
+    assert main(argv) == 0
+    capsys.readouterr()
+    llama = str(ROOT / "examples" / "llama.py")
+    assert main(["search", llama, *TINY, "--gpus", "2", "--trials", "2", "--out",
+                 str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("error: study 'piper-plan' already holds a search of another "
+                          "problem (model_path "), err
+    assert err.endswith("pass another --out or --study-name")
+    study = optuna.load_study(study_name="piper-plan", storage=f"sqlite:///{tmp_path}/study.db")
+    assert len(study.trials) == 2 and study.user_attrs["model_path"].endswith("gpt.py")
+
+
 def test_grid_sampler_covers_the_space(tmp_path, capsys):
     rc, res = run_json(capsys, ["search", GPT, *TINY, "--gpus", "2", "--sampler", "grid",
                                 "--batch-size", "4", "--trials", "1000", "--out", str(tmp_path),

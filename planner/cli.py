@@ -313,8 +313,10 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         write_trace(result.prediction.spans, args.trace)
     if args.timeline:
         from planner.plots import write_timeline
+        from planner.replicas import stands_for
 
         write_timeline(result.prediction.spans, args.timeline,
+                       stands_for=stands_for(result.plan, cluster),
                        title=f"{summary_line(result.summary)} on {cluster.name}")
     if args.json:
         _emit({"predicted": pred, "summary": result.summary})

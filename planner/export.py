@@ -94,7 +94,8 @@ def write_outputs(out: Path, spec: ModelSpec, cluster: str, gpus: int, batch_siz
 
 
 def write_figures(out: Path, best: Evaluation, result: SearchResult, *,
-                  memory_limit_bytes: int | None = None) -> dict[str, Path]:
+                  memory_limit_bytes: int | None = None,
+                  stands_for: dict[int, tuple[int, ...]] | None = None) -> dict[str, Path]:
     """timeline.png and trace.json of the best plan's simulated step; pareto.png of all
     feasible trials. Plotting imports matplotlib, so only a search that found a best pays."""
     from planner.plots import write_pareto, write_timeline
@@ -104,7 +105,7 @@ def write_figures(out: Path, best: Evaluation, result: SearchResult, *,
     files = {"timeline": out / "timeline.png", "pareto": out / "pareto.png",
              "trace": out / "trace.json"}
     spans = best.prediction.spans
-    write_timeline(spans, files["timeline"],
+    write_timeline(spans, files["timeline"], stands_for=stands_for,
                    title=f"best strategy: {summary_line(best.summary)} "
                          f"(bubble {best.prediction.bubble_fraction * 100:.1f}%)")
     write_trace(spans, files["trace"])

@@ -30,14 +30,17 @@ from planner.evaluate import Evaluator
 from planner.records import OBJECTIVES, SearchResult, open_study, result_of
 from planner.samplers import PointsSampler, make_sampler
 from planner.search import (
+    SameStrategy,
     Scored,
     _check_not_empty,
     describe,
     fits,
     open_storage,
     score,
+    set_strategy_params,
     starting_points,
     store,
+    strategy_params,
 )
 from planner.space import viable
 from runtime.cluster import connect, disconnect
@@ -69,10 +72,11 @@ def run_ray_search(evaluator: Evaluator, space: SearchSpace, *, trials: int,
         viable(space, evaluator)  # every slice captured here, once, before it ships
         define = _Define(space, dict(space.grid()) if sampler == "grid" else None)
         client = _client()
+        terms = getattr(space, "terms", lambda: None)()
         searcher = _Searcher(define, metric=list(OBJECTIVES), mode=["min"] * len(OBJECTIVES),
                              sampler=smp, study_name=study_name,
                              storage=_on_head(db, study_name) if client else db, seed=seed,
-                             capacity=evaluator.cluster.memory_bytes,
+                             capacity=evaluator.cluster.memory_bytes, terms=terms,
                              points_to_evaluate=starting_points(
                                  space, sampler, trials, earlier, admissible) or None)
         trainable = tune.with_resources(
@@ -97,7 +101,7 @@ def run_ray_search(evaluator: Evaluator, space: SearchSpace, *, trials: int,
         finally:
             signal.signal(signal.SIGINT, handler)
         if client:
-            _bring_back(results, db, study_name, evaluator.cluster.memory_bytes)
+            _bring_back(results, db, study_name, evaluator.cluster.memory_bytes, terms)
         return result_of(open_study(db, study_name, create=False),
                          time.perf_counter() - start)
     finally:
@@ -145,9 +149,12 @@ class _Searcher(OptunaSearch):
     """OptunaSearch that stores on each Optuna trial what the embedded loop stores (point,
     summary, Program, prediction, memory constraint), and prunes or fails it likewise."""
 
-    def __init__(self, *args: Any, capacity: int, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, capacity: int, terms: dict[str, list[Any]] | None,
+                 **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._capacity = capacity
+        self._terms = terms
+        self._same = SameStrategy(self._ot_study.get_trials(deepcopy=False))
 
     def on_trial_complete(self, trial_id: str, result: dict | None = None,
                           error: bool = False) -> None:
@@ -156,6 +163,9 @@ class _Searcher(OptunaSearch):
         ot_trial = self._ot_trials[trial_id]
         outcome = json.loads((result or {}).get("piper") or "{}")
         state, values = _settle(ot_trial, outcome, self._capacity)
+        if state == optuna.trial.TrialState.COMPLETE:
+            set_strategy_params(ot_trial, outcome["summary"], self._terms)
+            self._same.mark(ot_trial, ot_trial.number, outcome["program"])
         if state == optuna.trial.TrialState.FAIL and not _client():
             _said_failed(ot_trial.number, ot_trial.user_attrs["fail_reason"])
         self._ot_study.tell(ot_trial, values, state=state)
@@ -222,9 +232,11 @@ def _on_head(db: Any, study_name: str) -> optuna.storages.BaseStorage:
     return mem
 
 
-def _bring_back(results: Any, db: Any, study_name: str, capacity: int) -> None:
+def _bring_back(results: Any, db: Any, study_name: str, capacity: int,
+                terms: dict[str, list[Any]] | None) -> None:
     """The head's trials into this machine's study, as the searcher told them there."""
     study = optuna.load_study(study_name=study_name, storage=db)
+    same = SameStrategy(study.get_trials(deepcopy=False))
     for r in results:
         config = r.config or {}
         if "params" not in config:
@@ -232,10 +244,16 @@ def _bring_back(results: Any, db: Any, study_name: str, capacity: int) -> None:
         attrs = _Attrs()
         outcome = json.loads((r.metrics or {}).get("piper") or "{}")
         state, values = _settle(attrs, outcome, capacity)
+        params = dict(config["params"])
         dists = {k: optuna.distributions.json_to_distribution(v)
                  for k, v in config["distributions"].items()}
+        if state == optuna.trial.TrialState.COMPLETE:
+            for name, (v, dist) in strategy_params(outcome["summary"], terms).items():
+                if name not in params:
+                    params[name], dists[name] = v, dist
+            same.mark(attrs, len(study.trials), outcome["program"])
         study.add_trial(optuna.trial.create_trial(
-            state=state, values=values, params=config["params"], distributions=dists,
+            state=state, values=values, params=params, distributions=dists,
             user_attrs=attrs.user_attrs, constraints=attrs.constraints or None))
         if state == optuna.trial.TrialState.FAIL:
             _said_failed(len(study.trials) - 1, attrs.user_attrs["fail_reason"])

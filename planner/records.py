@@ -42,6 +42,7 @@ class SearchResult:
     records: tuple[TrialRecord, ...]
     failed_trials: int = 0  # trials that raised; their reasons are in the study
     pruned_trials: int = 0  # invalid points and points that cannot fit (analytical bound)
+    repeats: int = 0  # trials of a strategy an earlier trial scored (`same_as`), in `trials`
 
 
 def open_study(storage: str | optuna.storages.BaseStorage, study_name: str, *,
@@ -78,10 +79,15 @@ def record(t: optuna.trial.FrozenTrial) -> TrialRecord:
                        all(c <= 0 for c in t.constraints.values()))
 
 
+def _scored(study: optuna.Study) -> list[optuna.trial.FrozenTrial]:
+    return [t for t in study.get_trials(deepcopy=False)
+            if t.state == optuna.trial.TrialState.COMPLETE and "program" in t.user_attrs]
+
+
 def records_of(study: optuna.Study) -> tuple[TrialRecord, ...]:
-    """Every completed trial with a scored Program, in trial order."""
-    return tuple(record(t) for t in study.get_trials(deepcopy=False)
-                 if t.state == optuna.trial.TrialState.COMPLETE and "program" in t.user_attrs)
+    """Every completed trial with a scored Program, in trial order, each strategy once (a
+    trial marked `same_as` an earlier one repeats it)."""
+    return tuple(record(t) for t in _scored(study) if "same_as" not in t.user_attrs)
 
 
 def result_of(study: optuna.Study, search_time_s: float) -> SearchResult:
@@ -90,6 +96,7 @@ def result_of(study: optuna.Study, search_time_s: float) -> SearchResult:
     feasible = [r for r in records if r.feasible]
     best = min(feasible, key=lambda r: (r.predicted["step_time_s"], r.number), default=None)
     states = [t.state for t in study.get_trials(deepcopy=False)]
-    return SearchResult(best, len(records), len(feasible), search_time_s, records,
+    scored = len(_scored(study))
+    return SearchResult(best, scored, len(feasible), search_time_s, records,
                         states.count(optuna.trial.TrialState.FAIL),
-                        states.count(optuna.trial.TrialState.PRUNED))
+                        states.count(optuna.trial.TrialState.PRUNED), scored - len(records))

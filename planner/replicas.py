@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from cost_models.cluster import ClusterSpec
 from runtime.mesh import Mesh
+from runtime.plan import Plan
 
 
 def representative_replicas(mesh: Mesh, cluster: ClusterSpec) -> tuple[int, ...]:
@@ -52,3 +53,16 @@ def _signature(mesh: Mesh, cluster: ClusterSpec, replica: int) -> tuple:
         ep = tuple(node(g) - here for g in mesh.ep_group(L)) if mesh.ep > 1 else ()
         out.append((here - first, tp_span, ep))
     return tuple(out)
+
+
+def stands_for(plan: Plan, cluster: ClusterSpec) -> dict[int, tuple[int, ...]]:
+    """Each logical rank of `plan` (a simulation view keeps one replica of each kind) ->
+    the processes whose step it shows: its tensor-parallel ranks, and those of every
+    replica of its kind the view left out."""
+    mesh = plan.mesh
+    kinds = ({r: (r,) for r in range(mesh.dp)} if plan.complete
+             else replica_kinds(mesh, cluster))
+    return {rp.rank: tuple(sorted(mesh.physical(rp.device * mesh.dp + r, t)
+                                  for r in kinds.get(rp.replica, (rp.replica,))
+                                  for t in range(mesh.tp)))
+            for rp in plan.ranks}

@@ -15,12 +15,26 @@ def fmt_bytes(n: float) -> str:
 
 
 def summary_line(s: dict[str, Any]) -> str:
+    """A strategy in one line; a schedule is named only where there is a pipeline."""
+    schedule = (f"schedule={s['schedule']} v={s['virtual_stages']} " if s["pp"] > 1
+                else "")
     return (f"dp={s['dp']} pp={s['pp']} tp={s['tp']}{' sp' if s.get('sp') else ''} "
-            f"ep={s['ep']} zero={s['zero']} "
-            f"schedule={s['schedule']} v={s['virtual_stages']} mb={s['microbatches']}"
+            f"ep={s['ep']} zero={s['zero']} {schedule}mb={s['microbatches']}"
             + (" recompute" if s["recompute"] else "")
             + (" comm-stream" if s.get("comm_stream") else "")
             + (f" bucket={s['bucket_mb']:g}MiB" if s.get("bucket_mb") else ""))
+
+
+def unused(s: dict[str, Any]) -> list[str]:
+    """The degrees of freedom a strategy leaves alone, and what that rules out."""
+    out = []
+    if s["pp"] == 1:
+        out.append("no pipeline (pp=1: no stages, no schedule)")
+    if s["dp"] == 1:
+        out.append("no data parallelism (dp=1: no ZeRO, buckets or comm stream)")
+    if s["tp"] == 1:
+        out.append("no tensor parallelism (tp=1: no sequence parallelism)")
+    return out
 
 
 def predicted_line(p: dict[str, Any]) -> str:
@@ -49,7 +63,7 @@ def results_table(records: Sequence[TrialRecord], top: int = 10) -> str:
         s, p = r.summary, r.predicted
         lines.append(f"{r.number:>4} {s['dp']:>4} {s['pp']:>3} {s['tp']:>2} {s['ep']:>2} "
                      f"{s['zero']:>4} {s['microbatches']:>4} "
-                     f"{s['schedule']:<16} {_options(s):<9} {p['step_time_s'] * 1e3:>10.2f} "
+                     f"{s['schedule'] if s['pp'] > 1 else '-':<16} {_options(s):<9} {p['step_time_s'] * 1e3:>10.2f} "
                      f"{p['tokens_per_s']:>12,.0f} {p['mfu'] * 100:>5.1f}% "
                      f"{fmt_bytes(max(p['peak_memory_bytes'])):>11} "
                      f"{'yes' if r.feasible else 'no'}")

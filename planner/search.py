@@ -135,6 +135,8 @@ def run_search(evaluator: Evaluator, space: SearchSpace, *, trials: int, timeout
     grid = space.grid() if sampler == "grid" else None
     for params in starting_points(space, sampler, trials, earlier, admissible):
         study.enqueue_trial(params)
+    terms = getattr(space, "terms", lambda: None)()
+    same = SameStrategy(study.get_trials(deepcopy=False))
 
     def objective(trial: optuna.Trial) -> tuple[float, float]:
         try:
@@ -153,6 +155,8 @@ def run_search(evaluator: Evaluator, space: SearchSpace, *, trials: int, timeout
                   "goes on)", file=sys.stderr, flush=True)
             raise
         store(trial, s, capacity)
+        set_strategy_params(trial, s.summary, terms)
+        same.mark(trial, trial.number, s.program)
         return s.values
 
     # optimize() rather than ask/tell: the grid sampler stops the study from its callback.
@@ -163,6 +167,52 @@ def run_search(evaluator: Evaluator, space: SearchSpace, *, trials: int, timeout
         print(f"the sampler passed over {skipped} points that cannot fit in memory (by the "
               "memory formulas, without a trial)", file=sys.stderr, flush=True)
     return result_of(study, time.perf_counter() - start)
+
+
+def strategy_params(summary: dict[str, Any], terms: dict[str, list[Any]] | None
+                    ) -> dict[str, tuple[Any, optuna.distributions.CategoricalDistribution]]:
+    """The strategy's own terms (dp, pp, tp, ..., bucket) as Optuna parameters: value and a
+    distribution over every value the space has, so optuna-dashboard's tables, slice and
+    importance plots read in degrees and schedules. The samplers ask positions (`*_quantile`,
+    `search_spaces.conditional`); these are recorded beside them, never sampled."""
+    out = {}
+    for name, values in (terms or {}).items():
+        v = summary.get(name)
+        if v in values:
+            out[name] = (v, optuna.distributions.CategoricalDistribution(values))
+    return out
+
+
+def set_strategy_params(trial: optuna.Trial, summary: dict[str, Any],
+                        terms: dict[str, list[Any]] | None) -> None:
+    """`strategy_params` on a running trial (those the sampler did not ask itself)."""
+    for name, (v, dist) in strategy_params(summary, terms).items():
+        if name in trial.params:
+            continue  # asked by the sampler (a categorical, or the grid's)
+        try:
+            trial.storage.set_trial_param(trial._trial_id, name, dist.to_internal_repr(v), dist)
+        except ValueError:  # a study of an older space: a label is not worth a failed trial
+            pass
+
+
+class SameStrategy:
+    """The first trial of each Program: a later trial of an equal Program (a sampler asking
+    a point again) is marked `same_as` it, and reports show the strategy once."""
+
+    def __init__(self, trials: list[optuna.trial.FrozenTrial]) -> None:
+        self.first: dict[str, int] = {}
+        for t in sorted(trials, key=lambda t: t.number):
+            if "program" in t.user_attrs and "same_as" not in t.user_attrs:
+                self.first.setdefault(_key(t.user_attrs["program"]), t.number)
+
+    def mark(self, trial: Any, number: int, program: dict[str, Any]) -> None:
+        first = self.first.setdefault(_key(program), number)
+        if first != number:
+            trial.set_user_attr("same_as", first)
+
+
+def _key(program: dict[str, Any]) -> str:
+    return json.dumps(program, sort_keys=True)
 
 
 def store(trial: optuna.Trial, s: Scored, capacity: int) -> None:

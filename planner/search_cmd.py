@@ -31,6 +31,7 @@ def search(args: argparse.Namespace) -> int:
     )
     from planner.evaluate import Evaluator
     from planner.export import write_figures, write_outputs
+    from planner.replicas import stands_for
     from planner.report import pareto, predicted_line, results_table, summary_line
     from planner.space import search_space
 
@@ -78,7 +79,8 @@ def search(args: argparse.Namespace) -> int:
 
         result = run_search(ev, space, progress=not args.json, **common)
     log(f"{result.trials + result.pruned_trials + result.failed_trials} trials: "
-        f"{result.trials} simulated ({result.feasible_trials} fit in memory), "
+        f"{result.trials} simulated ({result.trials - result.repeats} distinct strategies, "
+        f"{result.feasible_trials} of them fit in memory), "
         f"{result.pruned_trials} pruned (invalid or over memory by formula), "
         f"{result.failed_trials} failed")
     measured: list[Any] = []
@@ -108,8 +110,9 @@ def search(args: argparse.Namespace) -> int:
                    "search_time_s": total, "pareto": []})
         return EXIT_FAILED
     b = result.best
-    files.update(write_figures(out, ev.evaluate(b.program), result,
-                               memory_limit_bytes=cluster.memory_bytes))
+    best_eval = ev.evaluate(b.program)
+    files.update(write_figures(out, best_eval, result, memory_limit_bytes=cluster.memory_bytes,
+                               stands_for=stands_for(best_eval.plan, cluster)))
     log(f"best: {summary_line(b.summary)}\n      {predicted_line(b.predicted)}\n"
         f"wrote {files['strategy_file']} and {files['strategy_json']} ({total:.1f} s), "
         f"{files['timeline'].name}, {files['pareto'].name} and {files['trace'].name}")

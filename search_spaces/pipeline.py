@@ -81,6 +81,13 @@ class PipelineSpace(SearchSpace):
     """Sequence parallelism off/on for points with tp > 1. Not a grid dimension either: each
     point's `variants` (it changes memory and communication, never which points exist)."""
 
+    @property
+    def flat_schedule(self) -> str:
+        """The one schedule of pp=1 points: a forward then a backward per microbatch, what
+        gradient accumulation does (every other name orders one device's tasks worse or the
+        same)."""
+        return "1f1b" if "1f1b" in self.schedules else self.schedules[0]
+
     def grid(self) -> Mapping[str, Sequence[Any]]:
         pps = [p for p in divisors(self.gpus) if p <= len(self.regions)]
         mbs = [m for m in divisors(self.batch_size) if m <= self.max_microbatches]
@@ -112,6 +119,26 @@ class PipelineSpace(SearchSpace):
         return conditional.params_for(SAMPLE_ORDER, _feasible_tuples(self),
                                       tuple(full[k] for k in _NAMES))
 
+    def terms(self) -> dict[str, list[Any]]:
+        """Every value each term of a strategy's summary (`Program.summary`) takes in this
+        space, for studies to show trials in those terms (`planner.search.strategy_params`)."""
+        pts = [dict(zip(_NAMES, t, strict=True)) for t in _feasible_tuples(self)]
+
+        def values(f: Any) -> list[Any]:
+            return sorted({f(p) for p in pts}, key=lambda v: (str(type(v)), v))
+
+        buckets = sorted({b for b in self.buckets if b})
+        return {"dp": values(lambda p: self.gpus // (p["pp"] * p["tp"])),
+                "pp": values(lambda p: p["pp"]), "tp": values(lambda p: p["tp"]),
+                "sp": [False, True] if True in self.sps and max(self.tps) > 1 else [False],
+                "ep": values(lambda p: p["ep"]), "zero": values(lambda p: p["zero"]),
+                "schedule": values(lambda p: p["schedule"]),
+                "virtual_stages": values(lambda p: VIRTUAL.get(p["schedule"], 1)),
+                "microbatches": values(lambda p: p["microbatches"]),
+                "recompute": values(lambda p: p["recompute"]),
+                "comm_stream": values(lambda p: p["comm_stream"]),
+                "bucket_mb": [None, *buckets]}
+
     def expert_defaults(self) -> list[dict[str, Any]]:
         """What an expert runs before searching, torchtitan's defaults: FSDP (the highest
         ZeRO stage over every device, no pipeline) and FSDP with tensor parallelism over a
@@ -122,7 +149,7 @@ class PipelineSpace(SearchSpace):
         keys = set(self.grid())
         zero = max(self.zeros)
         tps = list(dict.fromkeys([1, max(self.tps)]))
-        schedule = "1f1b" if "1f1b" in self.schedules else self.schedules[0]
+        schedule = self.flat_schedule
         feasible = set(_feasible_tuples(self))
         out = []
         for again, more in itertools.product(self.recomputes, (0, 1)):
@@ -175,6 +202,9 @@ class PipelineSpace(SearchSpace):
         """Why the point is not a valid strategy, or None; no Program is built (recompute
         runs with everything, so it adds no rule)."""
         m, sched = microbatches, schedule
+        if pp == 1 and sched != self.flat_schedule:
+            return (f"pp=1 has no pipeline to schedule: {sched} is the same strategy as "
+                    f"{self.flat_schedule} (gradient accumulation), kept once")
         per_device = VIRTUAL.get(sched, 1)
         if pp * per_device > len(self.regions):
             return f"pp={pp} x {per_device} stages exceeds the {len(self.regions)} regions"

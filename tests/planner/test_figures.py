@@ -112,3 +112,17 @@ def test_pareto_png_draws_trials_of_any_scale(tmp_path: Path) -> None:
     write_pareto([], tmp_path / "empty.png")
     assert_png(tmp_path / "p.png")
     assert_png(tmp_path / "empty.png")
+
+
+def test_pareto_labels_do_not_overlap(tmp_path: Path) -> None:
+    """A front of many close points (a long label each): every label box is clear of the
+    others."""
+    front = [record(i, 10.0 + 0.05 * i, 40 - i) for i in range(12)]
+    for r in front:
+        r.summary.update(pp=4, schedule="interleaved-1f1b", virtual_stages=2, dp=64, tp=8)
+    boxes = write_pareto(front, tmp_path / "p.png")
+    assert len(boxes) == 12
+    for i, a in enumerate(boxes):
+        for b in boxes[i + 1:]:
+            assert a[2] <= b[0] or b[2] <= a[0] or a[3] <= b[1] or b[3] <= a[1], (a, b)
+    assert_png(tmp_path / "p.png")

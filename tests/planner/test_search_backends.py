@@ -36,6 +36,41 @@ def test_ray_backend_writes_the_same_outputs_and_study(ray_session, tmp_path, ca
     assert all(set(t.constraints) == {"memory"} for t in done)
     best = min((t for t in done if t.constraints["memory"] <= 0), key=lambda t: t.values[0])
     assert res["best"]["summary"] == best.user_attrs["summary"]
+    assert_strategy_params(done)
+
+
+TERMS = ("dp", "pp", "tp", "sp", "ep", "zero", "schedule", "virtual_stages", "microbatches",
+         "recompute", "comm_stream", "bucket_mb")
+
+
+def assert_strategy_params(trials) -> None:
+    """What optuna-dashboard tabulates and plots (a trial's params) names the strategy in
+    its own terms, equal to its summary, with one distribution per name across trials."""
+    for t in trials:
+        assert {k: t.params[k] for k in TERMS} == {k: t.user_attrs["summary"][k]
+                                                   for k in TERMS}, t.number
+    for k in TERMS:
+        assert len({repr(t.distributions[k]) for t in trials}) == 1, k
+
+
+def test_embedded_study_speaks_in_strategy_terms_and_marks_repeats(tmp_path, capsys):
+    """The embedded backend keeps the same params; pp=1 points have the one schedule; a
+    point asked again (samplers do repeat themselves) is marked `same_as` the first."""
+    argv = ["search", GPT, *TINY, "--gpus", "2", "--trials", "6", "--out", str(tmp_path),
+            "--json", "--seed", "1"]
+    assert run_json(capsys, argv)[0] == 0
+    study = optuna.load_study(study_name="piper-plan", storage=f"sqlite:///{tmp_path}/study.db")
+    done = [t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE]
+    assert_strategy_params(done)
+    assert all(t.params["schedule"] == "1f1b" for t in done if t.params["pp"] == 1)
+    # the same point again, as a sampler may ask it: scored once more, marked as a repeat
+    first = done[0]
+    study.enqueue_trial(first.params)
+    argv[argv.index("--trials") + 1] = "1"
+    assert run_json(capsys, argv)[0] == 0
+    last = optuna.load_study(study_name="piper-plan",
+                             storage=f"sqlite:///{tmp_path}/study.db").trials[-1]
+    assert last.user_attrs.get("same_as") == first.number
 
 
 def test_measure_runs_the_best_four_and_reranks_them(ray_session, tmp_path, capsys):

@@ -30,6 +30,7 @@ from planner.evaluate import Evaluator
 from planner.records import OBJECTIVES, SearchResult, open_study, result_of
 from planner.samplers import PointsSampler, make_sampler
 from planner.search import (
+    DoesNotFit,
     SameStrategy,
     Scored,
     _check_not_empty,
@@ -135,7 +136,8 @@ def _trial(config: dict[str, Any], evaluator: Evaluator, space: SearchSpace) -> 
     try:
         s = score(evaluator, space, config["point"])
     except Infeasible as e:
-        return {**nan, "piper": json.dumps({"pruned_reason": str(e), "node": node})}
+        return {**nan, "piper": json.dumps({"pruned_reason": str(e), "node": node,
+                                            "over_memory": isinstance(e, DoesNotFit)})}
     except Exception as e:  # noqa: BLE001 - recorded on the trial, as the embedded loop does
         lines = str(e).strip().splitlines()
         reason = f"{type(e).__name__}: {lines[0] if lines else ''}".rstrip(": ")
@@ -186,6 +188,8 @@ def _settle(trial: Any, outcome: dict[str, Any], capacity: int
         return optuna.trial.TrialState.COMPLETE, list(s.values)
     if "pruned_reason" in outcome:
         trial.set_user_attr("pruned_reason", outcome["pruned_reason"])
+        if outcome.get("over_memory"):
+            trial.set_user_attr("over_memory", True)
         return optuna.trial.TrialState.PRUNED, None
     trial.set_user_attr("fail_reason", outcome.get("fail_reason",
                                                    "the Tune trial raised (see Ray's logs)"))

@@ -43,6 +43,8 @@ class SearchResult:
     failed_trials: int = 0  # trials that raised; their reasons are in the study
     pruned_trials: int = 0  # invalid points and points that cannot fit (analytical bound)
     repeats: int = 0  # trials of a strategy an earlier trial scored (`same_as`), in `trials`
+    over_memory: int = 0  # points rejected by the memory bound (pruned, or passed over)
+    proposed: int = 0  # points the sampler proposed: every trial, and those passed over
 
 
 def open_study(storage: str | optuna.storages.BaseStorage, study_name: str, *,
@@ -97,6 +99,10 @@ def result_of(study: optuna.Study, search_time_s: float) -> SearchResult:
     best = min(feasible, key=lambda r: (r.predicted["step_time_s"], r.number), default=None)
     states = [t.state for t in study.get_trials(deepcopy=False)]
     scored = len(_scored(study))
+    trials = study.get_trials(deepcopy=False)
+    over = sum(1 for t in trials if t.state == optuna.trial.TrialState.PRUNED
+               and t.user_attrs.get("over_memory"))
     return SearchResult(best, scored, len(feasible), search_time_s, records,
                         states.count(optuna.trial.TrialState.FAIL),
-                        states.count(optuna.trial.TrialState.PRUNED), scored - len(records))
+                        states.count(optuna.trial.TrialState.PRUNED), scored - len(records),
+                        over, sum(t.state.is_finished() for t in trials))

@@ -14,6 +14,7 @@ resumed by the same command: the study in the same storage keeps every finished 
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import sys
@@ -146,6 +147,8 @@ def run_search(evaluator: Evaluator, space: SearchSpace, *, trials: int, timeout
             s = score(evaluator, space, point)
         except Infeasible as e:
             trial.set_user_attr("pruned_reason", str(e))
+            if isinstance(e, DoesNotFit):
+                trial.set_user_attr("over_memory", True)
             raise optuna.TrialPruned(str(e)) from None
         except Exception as e:  # MemoryError too: record why, and go on with the next trial
             lines = str(e).strip().splitlines()
@@ -166,7 +169,9 @@ def run_search(evaluator: Evaluator, space: SearchSpace, *, trials: int, timeout
     if skipped:
         print(f"the sampler passed over {skipped} points that cannot fit in memory (by the "
               "memory formulas, without a trial)", file=sys.stderr, flush=True)
-    return result_of(study, time.perf_counter() - start)
+    result = result_of(study, time.perf_counter() - start)
+    return dataclasses.replace(result, over_memory=result.over_memory + skipped,
+                               proposed=result.proposed + skipped)
 
 
 def strategy_params(summary: dict[str, Any], terms: dict[str, list[Any]] | None

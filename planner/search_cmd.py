@@ -17,6 +17,7 @@ from piper.errors import PiperError
 
 
 def search(args: argparse.Namespace) -> int:
+    from planner.advice import warnings_for
     from planner.cli import (
         EXIT_FAILED,
         EXIT_OK,
@@ -32,7 +33,7 @@ def search(args: argparse.Namespace) -> int:
     from planner.evaluate import Evaluator
     from planner.export import write_figures, write_outputs
     from planner.replicas import stands_for
-    from planner.report import pareto, predicted_line, results_table, summary_line
+    from planner.report import pareto, predicted_line, results_table, summary_line, unused
     from planner.space import search_space
 
     spec = _spec(args)
@@ -102,24 +103,35 @@ def search(args: argparse.Namespace) -> int:
     files = write_outputs(out, spec, cluster_name, args.gpus, batch, result, ev.precision)
     log(results_table(result.records))
     total = time.perf_counter() - t0
+    best_eval = ev.evaluate(result.best.program) if result.best is not None else None
+    warnings = warnings_for(gpus=args.gpus, batch=batch, result=result,
+                            best_spans=list(best_eval.prediction.spans) if best_eval else [],
+                            best_summary=result.best.summary if result.best else None,
+                            memory_bytes=cluster.memory_bytes)
     if result.best is None:
         log(f"no feasible strategy among {result.trials} trials (memory limit "
             f"{cluster.memory_bytes / 1024**3:.0f} GiB per device)")
+        for w in warnings:
+            log(f"warning: {w}")
         if args.json:
             _emit({"best": None, "trials": result.trials, "feasible_trials": 0,
-                   "search_time_s": total, "pareto": []})
+                   "search_time_s": total, "pareto": [], "warnings": warnings})
         return EXIT_FAILED
     b = result.best
-    best_eval = ev.evaluate(b.program)
     files.update(write_figures(out, best_eval, result, memory_limit_bytes=cluster.memory_bytes,
                                stands_for=stands_for(best_eval.plan, cluster)))
+    left = unused(b.summary)
     log(f"best: {summary_line(b.summary)}\n      {predicted_line(b.predicted)}\n"
-        f"wrote {files['strategy_file']} and {files['strategy_json']} ({total:.1f} s), "
+        + (f"      {'; '.join(left)}\n" if left else "")
+        + f"wrote {files['strategy_file']} and {files['strategy_json']} ({total:.1f} s), "
         f"{files['timeline'].name}, {files['pareto'].name} and {files['trace'].name}")
+    for w in warnings:
+        log(f"warning: {w}")
     if args.json:
         best: dict[str, Any] = {"strategy_file": str(files["strategy_file"]),
                                 "program": json.loads(b.program.to_json()),
-                                "summary": b.summary, "predicted": b.predicted}
+                                "summary": b.summary, "predicted": b.predicted,
+                                "unused": left}
         obj: dict[str, Any] = {
             "best": best,
             "trials": result.trials,
@@ -127,6 +139,8 @@ def search(args: argparse.Namespace) -> int:
             "search_time_s": total,
             "pareto": [{"trial": r.number, "summary": r.summary, "predicted": r.predicted}
                        for r in pareto(result.records)],
+            "distinct_strategies": result.trials - result.repeats,
+            "warnings": warnings,
         }
         if measured:
             winner = measured[0]

@@ -285,11 +285,15 @@ def _check_not_empty(space: SearchSpace) -> None:
     first: str | None = None
     grid = space.grid()
     keys = list(grid)
-    for values in itertools.product(*(grid[k] for k in keys)):
+    flat = getattr(space, "flat_schedule", None)  # pp=1 points under the others' names
+    for values in itertools.product(*(grid[k] for k in keys)):  # are refused for that alone
+        point = dict(zip(keys, values))
+        if flat and point.get("pp") == 1 and point.get("schedule") != flat:
+            continue
         try:
-            space.check(**dict(zip(keys, values)))
+            space.check(**point)
         except Infeasible as e:
-            first = f"{', '.join(f'{k}={v}' for k, v in zip(keys, values))}: {e}"
+            first = f"{', '.join(f'{k}={v}' for k, v in point.items())}: {e}"
             break
     gpus, batch = getattr(space, "gpus", "?"), getattr(space, "batch_size", "?")
     raise PiperError(f"no strategy in the search space is valid for --gpus {gpus} and batch "

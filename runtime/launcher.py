@@ -311,26 +311,29 @@ class _Waiter:
 
     def _failed(self, rank: int, err: RayError, pending: list, rank_of: dict, what: str) -> str:
         errors = {rank: err}
-        if pending:  # a dead rank's peers fail a moment later (their sockets close): wait a
-            # little, so the message leads with the root cause, not with its echo
-            more, pending = ray.wait(pending, num_returns=len(pending), timeout=GRACE_S)
+
+        def collect(pending: list, timeout: float) -> list:
+            """Wait up to `timeout` for the others; keep the errors of those that fail."""
+            if not pending:
+                return pending
+            more, pending = ray.wait(pending, num_returns=len(pending), timeout=timeout)
             for ref in more:
                 try:
                     ray.get(ref)
                 except RayError as e:
                     errors[rank_of[ref]] = e
+            return pending
+
+        # a dead rank's peers fail a moment later (their sockets close): wait a little, so
+        # the message leads with the root cause, not with its echo
+        pending = collect(pending, GRACE_S)
         reports = self.job.reports()
         lost = self._lost_nodes(errors, reports)
         end = time.monotonic() + progress.SILENT_S + 2 * progress.HEARTBEAT_S
         while not lost and pending and len(set(self.job.nodes)) > 1 and time.monotonic() < end:
             # a node's loss shows as its ranks dying or falling silent, seconds after their
             # peers elsewhere fail: look again before blaming the first rank that failed
-            more, pending = ray.wait(pending, num_returns=len(pending), timeout=POLL_S / 2)
-            for ref in more:
-                try:
-                    ray.get(ref)
-                except RayError as e:
-                    errors[rank_of[ref]] = e
+            pending = collect(pending, POLL_S / 2)
             reports = self.job.reports()
             lost = self._lost_nodes(errors, reports)
         died = [r for r, e in errors.items() if isinstance(e, RayActorError)]

@@ -65,11 +65,25 @@ class Hosts:
         for tool in ("ip", "unshare", "ray"):
             if shutil.which(tool) is None:
                 return f"building hosts needs `{tool}` on PATH"
-        probe = f"piper-probe-{os.getpid()}"
-        r = _sh("ip", "netns", "add", probe)
-        if r.returncode != 0:
-            return f"cannot create a network namespace: {r.stderr.strip()}"
-        _sh("ip", "netns", "del", probe)
+        tag = f"{os.getpid() % 100000}"
+        probes = [  # (what, make, undo): everything a host is made of, tried once
+            ("a network namespace", ("ip", "netns", "add", f"piper-probe-{tag}"),
+             ("ip", "netns", "del", f"piper-probe-{tag}")),
+            ("a bridge", ("ip", "link", "add", f"pbp{tag}", "type", "bridge"),
+             ("ip", "link", "del", f"pbp{tag}")),
+            ("a veth pair", ("ip", "link", "add", f"pvp{tag}", "type", "veth", "peer", "name",
+                             f"pvq{tag}"), ("ip", "link", "del", f"pvp{tag}")),
+            ("mount and PID namespaces", ("unshare", "--mount", "--pid", "--fork",
+                                          "--kill-child", "--mount-proc", "--propagation",
+                                          "private", "sh", "-c",
+                                          "mount -t tmpfs tmpfs /mnt"), None),
+        ]
+        for what, make, undo in probes:
+            r = _sh(*make)
+            if undo:
+                _sh(*undo)
+            if r.returncode != 0:
+                return f"cannot create {what}: {r.stderr.strip()}"
         return None
 
     @property

@@ -172,8 +172,11 @@ class Hosts:
         raise RuntimeError(f"{ip}:{port} did not open within {START_S:.0f} s: see {self.logs}")
 
     def _wait_nodes(self) -> None:
-        """Every host's raylet registered with the head (asked from a separate process:
-        this one may be connected to another Ray already)."""
+        self.wait_alive(self.n)
+
+    def wait_alive(self, n: int) -> None:
+        """Until the head counts `n` live nodes: every host joined, or a lost one noticed
+        (asked from a separate process: this one may be connected to another Ray)."""
         code = ("import sys; from ray._raylet import GcsClient; "
                 f"n = GcsClient(address='{self.gcs}').get_all_node_info(timeout=5).values(); "
                 "print(sum(1 for x in n if x.state == 0))")
@@ -181,10 +184,11 @@ class Hosts:
         while time.monotonic() < end:
             r = subprocess.run([sys.executable, "-c", code], check=False, env=self.env(),
                                capture_output=True, text=True, timeout=60)
-            if r.returncode == 0 and r.stdout.strip() == str(self.n):
+            if r.returncode == 0 and r.stdout.strip() == str(n):
                 return
             time.sleep(1.0)
-        raise RuntimeError(f"not every host joined within {START_S:.0f} s: see {self.logs}")
+        raise RuntimeError(f"the head did not count {n} live nodes within {START_S:.0f} s: "
+                           f"see {self.logs}")
 
     def kill_raylet(self, i: int) -> list[int]:
         """SIGKILL host `i`'s raylet, as when the host dies; the pids killed."""

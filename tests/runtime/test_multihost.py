@@ -128,6 +128,7 @@ def test_lost_host_is_named_within_60s_and_the_run_resumes_on_the_other(hosts):
                     said[-1]), said[-1]
     assert took < 60
     done = max(int(d.name.split("-")[1]) for d in ckpt.glob("step-*"))
+    hosts.wait_alive(1)  # the cluster knows its node is gone: the resumed run is placed anew
     r = cli(hosts, "run", *common, "--gpus", "2", "--dp", "2", "--steps", str(done + 2),
             "--resume", "--check", "--json")
     assert r.returncode == 0, r.stderr

@@ -63,7 +63,8 @@ def results_table(records: Sequence[TrialRecord], top: int = 10) -> str:
         s, p = r.summary, r.predicted
         lines.append(f"{r.number:>4} {s['dp']:>4} {s['pp']:>3} {s['tp']:>2} {s['ep']:>2} "
                      f"{s['zero']:>4} {s['microbatches']:>4} "
-                     f"{s['schedule'] if s['pp'] > 1 else '-':<16} {_options(s):<9} {p['step_time_s'] * 1e3:>10.2f} "
+                     f"{s['schedule'] if s['pp'] > 1 else '-':<16} {_options(s):<9} "
+                     f"{p['step_time_s'] * 1e3:>10.2f} "
                      f"{p['tokens_per_s']:>12,.0f} {p['mfu'] * 100:>5.1f}% "
                      f"{fmt_bytes(max(p['peak_memory_bytes'])):>11} "
                      f"{'yes' if r.feasible else 'no'}")

@@ -234,7 +234,8 @@ def describe(study: optuna.Study, evaluator: Evaluator) -> None:
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
         study.set_metric_names(list(OBJECTIVES))
     spec = evaluator.spec
-    about = {"model": spec.path, "model_path": spec.source[0], "model_args": [list(a) for a in spec.model_args],
+    about = {"model": spec.path, "model_path": spec.source[0],
+             "model_args": [list(a) for a in spec.model_args],
              "gpus": evaluator.gpus, "batch_size": evaluator.batch_size,
              "cluster": evaluator.cluster.name, "precision": evaluator.precision,
              "memory_bytes": evaluator.cluster.memory_bytes}

@@ -138,8 +138,9 @@ class Job:
                  train: TrainConfig | None = None, done: int = 0, per_node: int | None = None,
                  shared: tuple[str, ...] = ()) -> None:
         """`done`: steps trained before (the ranks' state is then loaded by `restore`).
-        `per_node`: ranks per node (default: `placement.default_per_node`). `shared`: folders every
-        node must see as this machine does (a checkpoint folder), checked before setup."""
+        `per_node`: ranks per node (default: `placement.default_per_node`). `shared`:
+        folders every node must see as this machine does (a checkpoint folder), checked
+        before setup."""
         if not plan.complete:
             raise ValueError("a simulation view of a Plan (some replicas left out) cannot run")
         self.plan = plan
@@ -196,7 +197,7 @@ class Job:
             marker = os.path.join(os.path.abspath(folder), f".piper-check-{uuid.uuid4().hex}")
             open(marker, "w").close()
             markers.append(marker)
-            needs[f"{folder} (made on this machine)"] = marker
+            needs[f"the folder {folder} (a file this machine wrote there)"] = marker
         first = {}
         for r, n in enumerate(self.nodes):
             first.setdefault(n, r)

@@ -150,7 +150,8 @@ class Hosts:
 
     def _start(self, i: int) -> None:
         args = (["--head", "--port", str(HEAD_PORT), "--ray-client-server-port",
-                 str(CLIENT_PORT), "--include-dashboard", "false"] if i == 0 else ["--address", self.gcs])
+                 str(CLIENT_PORT), "--include-dashboard", "false"] if i == 0
+                else ["--address", self.gcs])
         env = {**self.env(), "PIPER_HIDE": " ".join(str(p) for p in self.hidden)}
         log = open(self.logs / f"host{i}.log", "w")  # noqa: SIM115 - the host keeps it
         self.procs.append(subprocess.Popen(

@@ -2,8 +2,9 @@
 and PID namespaces on this machine, token authentication on), driven from this host through
 Ray Client, as from a laptop: the model file exists only here and reaches the hosts through
 Ray; pp2 x dp2 reproduces single-device losses with two ranks per host; a search runs trials
-on both hosts, and its best candidate runs there for real (--measure); a bad token or address is a one-line error (exit 2); a host's raylet killed
-mid-run is reported as a lost node within 60 s (exit 3)."""
+on both hosts, and its best candidate runs there for real (--measure); a bad token or
+address is a one-line error (exit 2); a host's raylet killed mid-run is reported as a lost
+node within 60 s (exit 3), and the run resumes on the host left."""
 
 from __future__ import annotations
 

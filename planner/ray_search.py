@@ -72,11 +72,13 @@ def run_ray_search(evaluator: Evaluator, space: SearchSpace, *, trials: int,
             trials = min(trials, len(smp))
         viable(space, evaluator)  # every slice captured here, once, before it ships
         define = _Define(space, dict(space.grid()) if sampler == "grid" else None)
-        client = _client()
+        # through Ray Client the searcher runs on the head: a SQLite file here is out of its
+        # reach, so it works on a copy there (a database server it reaches directly)
+        copy = _client() and storage.startswith("sqlite")
         terms = getattr(space, "terms", lambda: None)()
         searcher = _Searcher(define, metric=list(OBJECTIVES), mode=["min"] * len(OBJECTIVES),
                              sampler=smp, study_name=study_name,
-                             storage=_on_head(db, study_name) if client else db, seed=seed,
+                             storage=_on_head(db, study_name) if copy else db, seed=seed,
                              capacity=evaluator.cluster.memory_bytes, terms=terms,
                              points_to_evaluate=starting_points(
                                  space, sampler, trials, earlier, admissible) or None)
@@ -90,7 +92,7 @@ def run_ray_search(evaluator: Evaluator, space: SearchSpace, *, trials: int,
                                         time_budget_s=timeout),
             run_config=tune.RunConfig(
                 name=study_name, verbose=0,  # Tune's own folder: on the head, under client
-                storage_path=None if client else os.path.abspath(os.path.join(out, "ray"))),
+                storage_path=None if _client() else os.path.abspath(os.path.join(out, "ray"))),
         )
         os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")  # no banner: logs are ours
         # Tune installs a SIGINT handler of its own (a graceful stop) and leaves it behind
@@ -101,7 +103,7 @@ def run_ray_search(evaluator: Evaluator, space: SearchSpace, *, trials: int,
                 results = tuner.fit()
         finally:
             signal.signal(signal.SIGINT, handler)
-        if client:
+        if copy:
             _bring_back(results, db, study_name, evaluator.cluster.memory_bytes, terms)
         return result_of(open_study(db, study_name, create=False),
                          time.perf_counter() - start)

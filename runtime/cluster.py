@@ -73,7 +73,7 @@ def connect(address: str | None = None, ship: Iterable[str] = ()) -> bool:
             warnings.simplefilter("ignore")  # Ray Client's timeout advice: ours is below
             ray.init(address=address, logging_level="ERROR", log_to_driver=False,
                      runtime_env=env or None)
-    except ConnectionError as e:
+    except Exception as e:  # noqa: BLE001 - a refused, absent or mismatched cluster: bad input
         forget_shipped()
         if any("authentication token" in m for m in said):
             raise PiperError(f"the Ray cluster at {address} refused this machine's "
@@ -81,7 +81,9 @@ def connect(address: str | None = None, ship: Iterable[str] = ()) -> bool:
         if address == "auto":
             raise PiperError("--address auto: no Ray cluster runs on this machine (start one "
                              "with `ray start --head`, or name its address)") from None
-        raise PiperError(f"could not join the Ray cluster at {address}: {e}") from None
+        lines = str(e).strip().splitlines()
+        raise PiperError(f"could not join the Ray cluster at {address}: "
+                         f"{type(e).__name__}: {lines[0] if lines else ''}") from None
     return True
 
 

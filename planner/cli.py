@@ -198,13 +198,16 @@ def _cluster(args: argparse.Namespace, announce: bool) -> tuple[Any, str]:
     name = args.cluster or DEFAULT_CLUSTER
     if args.cluster is None and announce:
         log(f"cluster: {DEFAULT_CLUSTER} (default; pass --cluster to change)")
-    cluster = load_cluster(name)
-    per_node = getattr(args, "gpus_per_node", None)
-    if per_node is not None:
-        if per_node < 1:
-            raise PiperError(f"--gpus-per-node must be >= 1, got {per_node}")
-        cluster = dataclasses.replace(cluster, gpus_per_node=per_node)
-    return cluster, name
+    return with_gpus_per_node(load_cluster(name), getattr(args, "gpus_per_node", None)), name
+
+
+def with_gpus_per_node(cluster: Any, per_node: int | None) -> Any:
+    """`cluster` with `--gpus-per-node` where given; below 1 is bad input."""
+    if per_node is None:
+        return cluster
+    if per_node < 1:
+        raise PiperError(f"--gpus-per-node must be >= 1, got {per_node}")
+    return dataclasses.replace(cluster, gpus_per_node=per_node)
 
 
 def _program(args: argparse.Namespace, ev: Any) -> Any:

@@ -81,25 +81,29 @@ def record(t: optuna.trial.FrozenTrial) -> TrialRecord:
                        all(c <= 0 for c in t.constraints.values()))
 
 
-def _scored(study: optuna.Study) -> list[optuna.trial.FrozenTrial]:
-    return [t for t in study.get_trials(deepcopy=False)
+def _scored(trials: list[optuna.trial.FrozenTrial]) -> list[optuna.trial.FrozenTrial]:
+    return [t for t in trials
             if t.state == optuna.trial.TrialState.COMPLETE and "program" in t.user_attrs]
 
 
 def records_of(study: optuna.Study) -> tuple[TrialRecord, ...]:
     """Every completed trial with a scored Program, in trial order, each strategy once (a
     trial marked `same_as` an earlier one repeats it)."""
-    return tuple(record(t) for t in _scored(study) if "same_as" not in t.user_attrs)
+    return _records(study.get_trials(deepcopy=False))
+
+
+def _records(trials: list[optuna.trial.FrozenTrial]) -> tuple[TrialRecord, ...]:
+    return tuple(record(t) for t in _scored(trials) if "same_as" not in t.user_attrs)
 
 
 def result_of(study: optuna.Study, search_time_s: float) -> SearchResult:
     """Best = the fastest trial that fits in memory."""
-    records = records_of(study)
+    trials = study.get_trials(deepcopy=False)  # once: each read may be a database query
+    records = _records(trials)
     feasible = [r for r in records if r.feasible]
     best = min(feasible, key=lambda r: (r.predicted["step_time_s"], r.number), default=None)
-    states = [t.state for t in study.get_trials(deepcopy=False)]
-    scored = len(_scored(study))
-    trials = study.get_trials(deepcopy=False)
+    states = [t.state for t in trials]
+    scored = len(_scored(trials))
     over = sum(1 for t in trials if t.state == optuna.trial.TrialState.PRUNED
                and t.user_attrs.get("over_memory"))
     return SearchResult(best, scored, len(feasible), search_time_s, records,

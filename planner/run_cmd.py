@@ -5,7 +5,6 @@ training. Kept apart from `planner.cli` (parsing and the small commands) as `sea
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 from typing import Any
 
@@ -68,6 +67,7 @@ def run(args: argparse.Namespace) -> int:
         _spec,
         _tell_regions,
         log,
+        with_gpus_per_node,
     )
     from planner.evaluate import Evaluator
     from planner.export import predicted_of
@@ -96,12 +96,9 @@ def run(args: argparse.Namespace) -> int:
     if done >= args.steps:
         log(f"{folder} is at step {done}: nothing to train up to --steps {args.steps}")
         return EXIT_OK
-    if args.gpus_per_node is not None and args.gpus_per_node < 1:
-        raise PiperError(f"--gpus-per-node must be >= 1, got {args.gpus_per_node}")
-    here = CATALOG["cpu"]
-    if args.gpus_per_node:  # tensor parallelism is checked to stay inside a node
-        here = dataclasses.replace(here, gpus_per_node=args.gpus_per_node)
-    ev = Evaluator(spec, args.gpus, batch, here)
+    # tensor parallelism is checked to stay inside a node of --gpus-per-node
+    ev = Evaluator(spec, args.gpus, batch, with_gpus_per_node(CATALOG["cpu"],
+                                                              args.gpus_per_node))
     _tell_regions(ev)
     program = _program(args, ev)
     plan = lower(spec, program, args.gpus, batch)

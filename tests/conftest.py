@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -23,3 +26,30 @@ def ray_session():
                  log_to_driver=False)
     yield ray
     ray.shutdown()
+
+
+class StderrLines:
+    """A CLI subprocess's stderr, read line by line on a thread of its own while the test
+    watches the run (a pipe left unread would block the process)."""
+
+    def __init__(self, p: subprocess.Popen) -> None:
+        self.p, self.lines = p, []
+        self.reader = threading.Thread(target=lambda: self.lines.extend(p.stderr), daemon=True)
+        self.reader.start()
+
+    def wait_for(self, prefix: str, within_s: float) -> bool:
+        """Until a line starts with `prefix` (True), the process ends or time runs out."""
+        end = time.monotonic() + within_s
+        while time.monotonic() < end and self.p.poll() is None:
+            if any(line.startswith(prefix) for line in self.lines):
+                return True
+            time.sleep(0.1)
+        return False
+
+    def all(self) -> list[str]:
+        """Every line, once the process has ended and its stderr is read to the end."""
+        self.reader.join(timeout=10)
+        return self.lines
+
+    def __str__(self) -> str:
+        return "".join(self.lines)

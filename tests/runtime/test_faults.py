@@ -21,7 +21,7 @@ import ray
 
 from planner.cli import main
 from runtime.progress import BOARD_PREFIX, Progress, read
-from tests.conftest import GPT, ROOT, TINY
+from tests.conftest import GPT, ROOT, TINY, StderrLines
 
 RUN = ["run", GPT, *TINY, "--gpus", "2", "--dp", "2", "--microbatches", "4", "--device", "cpu",
        "--steps", "1500", "--json"]  # more steps than the test waits for, bounded if it fails
@@ -157,24 +157,18 @@ def test_interrupted_cli_run_leaves_no_process_behind():
     env = {**os.environ, marker.split("=")[0]: marker.split("=")[1]}
     p = subprocess.Popen([sys.executable, "-m", "planner.cli", *RUN], cwd=ROOT, env=env,
                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    said: list[str] = []
-    threading.Thread(target=lambda: said.extend(p.stderr), daemon=True).start()
+    said = StderrLines(p)
     try:
-        end = time.monotonic() + 120
-        while time.monotonic() < end and p.poll() is None:
-            if any(line.startswith("step 2/") for line in said):
-                break
-            time.sleep(0.1)
-        assert p.poll() is None, "".join(said)
+        said.wait_for("step 2/", 120)
+        assert p.poll() is None, str(said)
         assert len(_marked(marker)) > 3, "Ray's processes and the workers are up"
         p.send_signal(signal.SIGINT)
         p.wait(timeout=60)
     finally:
         if p.poll() is None:
             p.kill()
-    time.sleep(0.5)  # the reader thread takes the last lines
-    assert p.returncode == 130, "".join(said)
-    assert said[-1].strip() == "error: interrupted"
+    assert p.returncode == 130, str(said)
+    assert said.all()[-1].strip() == "error: interrupted"
     end = time.monotonic() + 20
     while _marked(marker) and time.monotonic() < end:
         time.sleep(0.2)

@@ -13,13 +13,12 @@ import re
 import shutil
 import subprocess
 import sys
-import threading
 import time
 
 import optuna
 import pytest
 
-from tests.conftest import ROOT, TINY
+from tests.conftest import ROOT, TINY, StderrLines
 from tests.hosts import Hosts
 
 WHY_NOT = Hosts.available()
@@ -105,15 +104,10 @@ def test_lost_host_is_named_within_60s_and_the_run_resumes_on_the_other(hosts):
          "--dp", "2", "--steps", "2000", "--gpus-per-node", "2", "--checkpoint-every", "2"],
         cwd=hosts.home, env=hosts.env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
         text=True)
-    said: list[str] = []
-    threading.Thread(target=lambda: said.extend(p.stderr), daemon=True).start()
+    said = StderrLines(p)
     try:
-        end = time.monotonic() + 240
-        while time.monotonic() < end and p.poll() is None:
-            if any(line.startswith("step 5/") for line in said):
-                break
-            time.sleep(0.1)
-        assert p.poll() is None, "".join(said)
+        said.wait_for("step 5/", 240)
+        assert p.poll() is None, str(said)
         assert hosts.kill_raylet(1), "no raylet found on the second host"
         killed = time.monotonic()
         p.wait(timeout=90)
@@ -122,11 +116,11 @@ def test_lost_host_is_named_within_60s_and_the_run_resumes_on_the_other(hosts):
         if p.poll() is None:
             p.kill()
             p.wait(timeout=30)
-    time.sleep(0.5)  # the reader thread takes the last lines
     print(f"a lost host reported in {took:.1f} s")
-    assert p.returncode == 3, "".join(said)
+    assert p.returncode == 3, str(said)
+    last = said.all()[-1]
     assert re.match(rf"error: node {re.escape(hosts.ips[1])} was lost \(ranks (0, 1|2, 3)\)",
-                    said[-1]), said[-1]
+                    last), last
     assert took < 60
     done = max(int(d.name.split("-")[1]) for d in ckpt.glob("step-*"))
     hosts.wait_alive(1)  # the cluster knows its node is gone: the resumed run is placed anew

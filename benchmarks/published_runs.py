@@ -29,6 +29,7 @@ import statistics
 import sys
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -38,7 +39,7 @@ sys.path.insert(0, str(ROOT))
 
 from scipy import stats
 
-from cost_models import load_cluster
+from cost_models import ClusterSpec, load_cluster
 from piper.model_file import load_model_file
 from piper.pyfile import import_user_file
 from planner.evaluate import Evaluator
@@ -81,6 +82,11 @@ class Run:
     """What the source does not state, and the value taken."""
     oom: bool = False
     """The source reports the configuration out of memory."""
+    dp_overlap: bool = True
+    """Gradient reduction overlapped with the backward, as the run did (Megatron's
+    --overlap-grad-reduce, DDP's buckets, FSDP's units); False: after it, on the compute
+    stream (Megatron-LM as MegaScale's baseline ran it: "DP overlap" is one of MegaScale's
+    own additions)."""
 
     @property
     def microbatches(self) -> int:
@@ -159,7 +165,7 @@ def megascale() -> list[Run]:
             (6144, 12288, 8.57)]
     return [Run("megascale", f"GPT 175B Megatron-LM {gpus} GPUs gbs{gbs}", GPT,
                 _gpt(12288, 96, 128, 64000, 2048), "a100-80gb", gpus, 8, 8, gpus // 64, 1,
-                gbs, step, zero=1, schedule="interleaved-1f1b", v=6, sp=True,
+                gbs, step, zero=1, schedule="interleaved-1f1b", v=6, sp=True, dp_overlap=False,
                 approx="selective recompute (simulated without recompute)",
                 assumed="mbs 1, A100-80GB (the paper says Ampere), ZeRO-2-style DP as "
                         "distributed optimizer (zero 1)")
@@ -305,9 +311,12 @@ class Evaluators:
 
     cache: dict = field(default_factory=dict)
 
-    def get(self, run: Run) -> Evaluator:
+    def get(self, run: Run, adjust: Callable[[ClusterSpec], ClusterSpec] | None = None
+            ) -> Evaluator:
+        """The row's model on its cluster (`adjust`ed: a what-if of its figures)."""
         spec_key = (run.model, run.args)
         cluster = load_cluster(run.cluster)
+        cluster = adjust(cluster) if adjust else cluster
         if spec_key not in self.cache:
             spec = load_model_file(run.model, run.args)
             self.cache[spec_key] = Evaluator(spec, run.gpus, run.gbs, cluster,
@@ -315,13 +324,15 @@ class Evaluators:
         return self.cache[spec_key].on(cluster, run.gpus, run.gbs)
 
 
-def simulate(run: Run, evaluators: Evaluators) -> Result:
+def simulate(run: Run, evaluators: Evaluators,
+             adjust: Callable[[ClusterSpec], ClusterSpec] | None = None) -> Result:
     t = time.perf_counter()
-    ev = evaluators.get(run)
+    ev = evaluators.get(run, adjust)
     args = argparse.Namespace(
         pp=run.pp, dp=run.dp, tp=run.tp, ep=1, zero=run.zero, schedule=run.schedule,
         virtual_stages=run.v if run.v > 1 else None, microbatches=run.microbatches,
-        recompute=run.recompute, bucket_mb=run.unit_mb, comm_stream=run.dp > 1 and run.zero < 3,
+        recompute=run.recompute, bucket_mb=run.unit_mb,
+        comm_stream=run.dp > 1 and run.zero < 3 and run.dp_overlap,
         sp=run.sp and run.tp > 1)
     program = shorthand_program(args, run.gpus, ev.graph.names, ev.region_costs())
     result = ev.evaluate(program)

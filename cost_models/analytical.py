@@ -25,6 +25,8 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from cost_models import comm
 from cost_models.cluster import ClusterSpec
+from cost_models.kernels import Gemm, gemm_seconds
+from cost_models.loss_ops import loss_kernels
 from cost_models.saved import saved_bytes
 from piper.capture import Captured, to_meta
 from piper.dag import Kind
@@ -66,6 +68,14 @@ class OpGroup:
     attention: bool = False
     """A fused attention kernel (any of ATen's scaled-dot-product ops): its backward
     recomputes what the forward did not keep (`ATTENTION_BACKWARD_RATIO`)."""
+    shape: tuple[int, int, int, int] = ()
+    """A GEMM's (batch, m, n, k) at the capture batch (`cost_models.kernels.Gemm`): its
+    tiles fill the SMs in waves, and its backward's two GEMMs have shapes of their own.
+    Empty: timed by FLOPs alone."""
+    fp32: bool = False
+    """Runs in fp32 whatever the training precision: autocast computes a loss (softmax,
+    cross-entropy) in fp32 (`cost_models.loss_ops`), so bf16 training does not halve its
+    bytes."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -165,9 +175,14 @@ class ModelCosts:
             return fwd, BACKWARD_FLOPS_RATIO * fwd
         scale = samples / self.batch
         mm = mm_back = other = moved = 0.0
+        kernels = 0
         for r in regions:
             for g in self.ops[self.regions.index(r)]:
-                if g.flops:
+                if g.flops and g.shape and not g.attention:
+                    fwd, back = _gemm_seconds(g, scale, cluster)
+                    mm += g.count * fwd
+                    mm_back += g.count * back
+                elif g.flops:
                     t = g.count * cluster.matmul_seconds(g.flops * g.work * scale,
                                                          g.nbytes * scale, g.low_precision,
                                                          g.attention)
@@ -177,10 +192,12 @@ class ModelCosts:
                 else:
                     other += g.count
                     moved += g.count * g.nbytes * scale
+                kernels += g.count if g.flops or g.nbytes else 0
         bw = cluster.elementwise_bandwidth
         streamed = moved / bw if bw else 0.0
-        return (mm + other * cluster.op_overhead_s + streamed,
-                mm_back + BACKWARD_FLOPS_RATIO * streamed
+        launch = kernels * cluster.kernel_overhead_s
+        return (mm + other * cluster.op_overhead_s + streamed + launch,
+                mm_back + BACKWARD_FLOPS_RATIO * (streamed + launch)
                 + other * cluster.backward_op_overhead_s)
 
     def params_of(self, regions: Sequence[str]) -> int:
@@ -197,6 +214,17 @@ class ModelCosts:
         return sum(self.forward_flops) / self.batch
 
 
+def _gemm_seconds(g: OpGroup, scale: float, cluster: ClusterSpec) -> tuple[float, float]:
+    """(forward, backward) seconds of one GEMM of `g` on `scale` times its samples: the
+    backward's input- and weight-gradient GEMMs each at their own shape."""
+    gemm = Gemm(*g.shape).scaled(scale)
+    nbytes = g.nbytes * scale
+    dx, dw = gemm.gradients()
+    return (gemm_seconds(cluster, gemm, nbytes, g.low_precision),
+            gemm_seconds(cluster, dx, nbytes, g.low_precision)
+            + gemm_seconds(cluster, dw, nbytes, g.low_precision))
+
+
 def model_costs(captured: Captured) -> ModelCosts:
     """FLOPs, saved bytes and parameters of every region of `captured`, at its capture batch."""
     mg = captured.graph
@@ -204,7 +232,11 @@ def model_costs(captured: Captured) -> ModelCosts:
     counter = _RegionCounter(ep.graph_module, captured.node_region, len(mg.regions))
     placeholders = [n for n in ep.graph.nodes if n.op == "placeholder"]
     with counter.mode:
-        counter.run(*(to_meta(n.meta.get("val")) for n in placeholders))
+        outputs = counter.run(*(to_meta(n.meta.get("val")) for n in placeholders))
+    head = counter.ops[mg.output_region]
+    for nbytes, count in loss_kernels(captured, outputs).items():
+        key = (0, False, 1.0, nbytes, False, (), True)
+        head[key] = head.get(key, 0) + count
     measured = saved_bytes(captured)
     return ModelCosts(
         regions=mg.names,
@@ -214,8 +246,8 @@ def model_costs(captured: Captured) -> ModelCosts:
         batch=mg.batch,
         tokens_per_sample=_tokens_per_sample(captured),
         element_size=_element_size(captured),
-        ops=tuple(tuple(OpGroup(f, c, lp, w, b, a)
-                        for (f, lp, w, b, a), c in sorted(groups.items()))
+        ops=tuple(tuple(OpGroup(f, c, lp, w, b, a, shape, fp32)
+                        for (f, lp, w, b, a, shape, fp32), c in sorted(groups.items()))
                   for groups in counter.ops),
         param_tensors=tuple(len(r.params) for r in mg.regions),
         recompute_bytes=measured[1] if measured else (),
@@ -237,8 +269,8 @@ class _RegionCounter(fx.Interpreter):
         self.mode = FlopCounterMode(display=False)
         self.flops = [0] * regions
         self.saved = [0] * regions
-        self.ops: list[dict[tuple[int, bool, float, int, bool], int]] = [
-            {} for _ in range(regions)]
+        self.ops: list[dict[tuple[int, bool, float, int, bool, tuple[int, ...], bool],
+                            int]] = [{} for _ in range(regions)]
 
     def run_node(self, n: fx.Node) -> object:
         if n.op != "call_function":
@@ -253,13 +285,31 @@ class _RegionCounter(fx.Interpreter):
         flops = self.mode.get_total_flops() - before
         self.flops[r] += flops
         if getattr(n.target, "_schema", None) is not None:  # an ATen op, not Python glue
+            attention = bool(flops) and _fused_attention(n)
             key = (flops, _low_precision(out), CAUSAL_WORK if _causal_attention(n) else 1.0,
-                   _moved_bytes(n, args, out), bool(flops) and _fused_attention(n))
+                   _moved_bytes(n, args, out), attention,
+                   () if attention else _gemm_shape(flops, args, out), False)
             self.ops[r][key] = self.ops[r].get(key, 0) + 1
         if not _aliases(n):
             self.saved[r] += sum(t.numel() * t.element_size()
                                  for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor))
         return out
+
+
+def _gemm_shape(flops: int, args: list[object], out: object) -> tuple[int, ...]:
+    """(batch, m, n, k) of a GEMM from its output and FLOPs (2 m n k per product): a
+    product of two operands of >= 3 dims is batched over the output's leading dims; a
+    linear layer's rows are all of its input's leading dims. Empty where it is not one."""
+    if not flops or not isinstance(out, torch.Tensor) or out.dim() < 1 or not out.numel():
+        return ()
+    n = out.shape[-1]
+    k, rest = divmod(flops, 2 * out.numel())
+    if rest or k < 1:
+        return ()
+    ranks = [a.dim() for a in args if isinstance(a, torch.Tensor) and a.dim() >= 2]
+    if len(ranks) >= 2 and min(ranks[:2]) >= 3 and out.dim() >= 3:
+        return (out.numel() // (out.shape[-2] * n), out.shape[-2], n, k)
+    return (1, out.numel() // n, n, k)
 
 
 CAUSAL_WORK = 0.5
@@ -384,7 +434,8 @@ class TaskCosts:
         k = task.kind
         if k.is_compute:
             busy = self._compute(task) * self.cluster.runtime_compute_factor
-            return busy + self._exposed_gathers(task, busy) + self.cluster.task_overhead_s
+            return (busy * (1 + self._gather_contention(task, busy))
+                    + self._exposed_gathers(task, busy) + self.cluster.task_overhead_s)
         if k is Kind.SEND:
             # isend: the sender posts it and moves on; the wire time is `transfer`
             return self.cluster.send_overhead_s + self.cluster.task_overhead_s
@@ -417,6 +468,20 @@ class TaskCosts:
             return 0.0
         gather = self._unit_gather(task.stage, self.unit_groups[task.stage])
         return (n - 1) * max(0.0, gather - busy / n)
+
+    def _gather_contention(self, task: Task, busy: float) -> float:
+        """Share by which a chunk slows while its own units' gathers run inside it (they
+        are not spans of their own, so `cost_models.contention` cannot see them): NVLink's
+        or the network's contention over the share of the chunk they cover."""
+        n = self._units(task.stage)
+        if n < 2 or busy <= 0 or task.kind not in (Kind.FWD, Kind.BWD, Kind.BWD_I):
+            return 0.0
+        group = self.unit_groups[task.stage]
+        nodes, per_node = comm.layout(self.cluster, group)
+        c = (self.cluster.inter_node_contention if nodes > 1 and per_node == 1
+             else self.cluster.comm_compute_contention)
+        hidden = (n - 1) * min(self._unit_gather(task.stage, group), busy / n)
+        return c * min(1.0, hidden / busy)
 
     def _bytes_of(self, task: Task) -> int:
         """What a stage's collective moves: parameters (a gather) or gradients."""
@@ -506,7 +571,7 @@ def with_precision(costs: ModelCosts, precision: str, reduce_dtype: str = "fp32"
     # matmuls at the bf16 rate; every op streams bf16 activations (half the bytes; a
     # matmul's weight is the bf16 copy autocast makes)
     ops = tuple(tuple(replace(g, low_precision=g.low_precision or bool(g.flops),
-                              nbytes=g.nbytes // 2) if low else g
+                              nbytes=g.nbytes // 2) if low and not g.fp32 else g
                       for g in groups) for groups in costs.ops)
     half = (lambda t: tuple(x // 2 for x in t)) if low else (lambda t: t)
     element = 2 if precision == "bf16" else costs.element_size

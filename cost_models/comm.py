@@ -4,6 +4,13 @@ alpha is a message's fixed latency (s), beta a link's bandwidth (bytes/s). The f
 standard ones (Thakur, Rabenseifner & Gropp 2005; NCCL's ring and tree): pure functions of
 numbers so they can be checked by hand and reused by fitted models.
 
+Inside a node, a cluster with measured nccl-tests curves (`ClusterSpec.intra_node_busbw`)
+prices a collective at the bus bandwidth measured for its message size instead: nccl-tests
+define busbw so that a ring all-reduce of n bytes over p ranks takes 2(p-1)/p n / busbw and an
+all-gather or reduce-scatter (p-1)/p n / busbw, and the measured curve carries the latency
+floor and the slow ramp to full speed (A100 NVLink3: 18 GB/s at 1 MB, 106 at 16 MB, 194 at
+256 MB) that an alpha-beta link with the nominal bandwidth does not.
+
 Topology: ranks fill nodes in order (`ClusterSpec.node_of`). A group inside one node runs on
 the intra-node fabric; a group across nodes either runs flat at the pace of its slowest
 (inter-node) hop, or hierarchically — inside each node, then across nodes with one rank per
@@ -115,7 +122,7 @@ def collective_time(kind: str, nbytes: float, group: Sequence[int],
         return 0.0
     nodes, per_node = layout(cluster, group)
     if nodes == 1:
-        return _on_one_link(kind, nbytes, p, *_intra(cluster, kind))
+        return in_node_time(kind, nbytes, p, cluster)
     inter = (cluster.inter_node_latency, cluster.inter_node_bandwidth)
     flat = _on_one_link(kind, nbytes, p, *inter)
     if per_node <= 1:
@@ -129,6 +136,23 @@ def _intra(cluster: ClusterSpec, kind: str) -> tuple[float, float, bool]:
     if fitted is not None:
         return fitted.latency, fitted.bandwidth, True
     return cluster.intra_node_latency, cluster.intra_node_bandwidth, False
+
+
+def in_node_time(kind: str, nbytes: float, p: int, cluster: ClusterSpec) -> float:
+    """A collective over `p` ranks of one node: on the measured bus-bandwidth curve where
+    the cluster has one (and no fitted figure for `kind`), else on the alpha-beta link."""
+    if p <= 1:
+        return 0.0
+    if cluster.intra_node_busbw and getattr(cluster, kind) is None:
+        share = (p - 1) / p * (2 if kind == ALL_REDUCE else 1)
+        ring = kind != ALL_REDUCE or p < NVLS_MIN_RANKS
+        return share * nbytes / cluster.busbw(nbytes, ring)
+    return _on_one_link(kind, nbytes, p, *_intra(cluster, kind))
+
+
+NVLS_MIN_RANKS = 5
+"""NVLink SHARP lifts all-reduce bus bandwidth only from 5 GPUs up: on H100 it stays at the
+ring's 365-370 GB/s for 2-4 GPUs and reaches 420-480 for 5-8 (NVIDIA/nccl issue 1455)."""
 
 
 def _on_one_link(kind: str, nbytes: float, p: int, latency: float, bandwidth: float,
@@ -150,8 +174,8 @@ def _hierarchical(kind: str, nbytes: float, nodes: int, per_node: int,
     """
     across = (cluster.inter_node_latency, cluster.inter_node_bandwidth)
     part = nbytes / per_node
-    rs_in = _on_one_link(REDUCE_SCATTER, nbytes, per_node, *_intra(cluster, REDUCE_SCATTER))
-    ag_in = _on_one_link(ALL_GATHER, nbytes, per_node, *_intra(cluster, ALL_GATHER))
+    rs_in = in_node_time(REDUCE_SCATTER, nbytes, per_node, cluster)
+    ag_in = in_node_time(ALL_GATHER, nbytes, per_node, cluster)
     if kind == ALL_REDUCE:
         return rs_in + _on_one_link(ALL_REDUCE, part, nodes, *across) + ag_in
     if kind == ALL_GATHER:

@@ -6,7 +6,8 @@ Three effects, the first two each priced by one `ClusterSpec` figure:
   ranks run at once, each gets min(1, cores / k) of its speed (processor sharing).
 - `comm_compute_contention` (c): a compute task slows by c over the share of its time that a
   collective of its own rank runs on another stream (copies and reduction kernels take part
-  of the device).
+  of the device); `inter_node_contention` instead for a collective with one rank per node,
+  which the NICs carry (Calculon: 15% for NVLink, 2% for InfiniBand).
 - Without `cores_per_node` (one accelerator per rank), compute tasks of one rank that run at
   once (a forward beside its paired backward) share the device the same way.
 
@@ -20,6 +21,7 @@ import bisect
 from collections.abc import Callable, Sequence
 
 from cost_models.cluster import ClusterSpec
+from cost_models.comm import layout
 from runtime.dryrun import Span, dry_run
 from runtime.plan import Plan, Task
 
@@ -31,7 +33,8 @@ Key = tuple[int, str]  # (rank, task name)
 
 def active(cluster: ClusterSpec) -> bool:
     """Whether `cluster` has any contention to price (GPU catalog entries have none)."""
-    return cluster.cores_per_node is not None or cluster.comm_compute_contention > 0
+    return (cluster.cores_per_node is not None or cluster.comm_compute_contention > 0
+            or cluster.inter_node_contention > 0)
 
 
 def timeline(plan: Plan, duration: Callable[[int, Task], float],
@@ -81,17 +84,26 @@ def stretch(spans: Sequence[Span], cluster: ClusterSpec) -> dict[Key, float]:
                 level = _Occupancy(rank_spans)
                 for s in rank_spans:
                     out[(s.rank, s.task.name)] *= max(1.0, level.mean(s.start, s.end))
-    c = cluster.comm_compute_contention
-    if c > 0:
+    if cluster.comm_compute_contention > 0 or cluster.inter_node_contention > 0:
         comm: dict[int, list[Span]] = {}
         for s in spans:
             if s.task.kind.is_collective:
                 comm.setdefault(s.rank, []).append(s)
         for s in compute:
             mine = [o for o in comm.get(s.rank, ()) if o.stream != s.stream]
-            overlap = sum(max(0.0, min(s.end, o.end) - max(s.start, o.start)) for o in mine)
-            out[(s.rank, s.task.name)] *= 1 + c * min(1.0, overlap / (s.end - s.start))
+            lost = sum(_contention(o, cluster)
+                       * max(0.0, min(s.end, o.end) - max(s.start, o.start)) for o in mine)
+            most = max(cluster.comm_compute_contention, cluster.inter_node_contention)
+            out[(s.rank, s.task.name)] *= 1 + min(lost / (s.end - s.start), most)
     return out
+
+
+def _contention(span: Span, cluster: ClusterSpec) -> float:
+    """What a collective takes from compute beside it: NVLink's share, or the network's
+    where its group has one rank per node."""
+    nodes, per_node = layout(cluster, span.task.group)
+    return cluster.inter_node_contention if nodes > 1 and per_node == 1 else (
+        cluster.comm_compute_contention)
 
 
 class _Occupancy:

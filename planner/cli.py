@@ -126,7 +126,11 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("checkpoint", help="a checkpoint folder, or a --checkpoint-dir (newest)")
     e.add_argument("--out", required=True, metavar="FILE.safetensors")
 
-    sub.add_parser("clusters", help="list the built-in cluster catalog")
+    cl = sub.add_parser("clusters", help="list the built-in cluster catalog, or print one "
+                                         "entry as a TOML file to edit")
+    cl.add_argument("name", nargs="?", help="a catalog entry to show in full")
+    cl.add_argument("--toml", action="store_true",
+                    help="print the entry as a cluster file (`--cluster FILE` reads it back)")
     return p
 
 
@@ -228,13 +232,14 @@ def _program(args: argparse.Namespace, ev: Any) -> Any:
 
 
 def _within_node(program: Any, cluster: Any, path: str | None) -> Any:
-    """Tensor parallelism talks at every layer: a TP group spanning nodes is a mistake."""
+    """Tensor parallelism talks at every layer: a TP group spanning nodes is priced over
+    the inter-node links (users do run tp 16 over two nodes), and said once."""
     tp = program.summary()["tp"]
     if tp > cluster.gpus_per_node:
         what = f"{path}: tensor-parallel degree {tp}" if path else f"--tp {tp}"
-        raise PiperError(f"{what} is larger than a node of cluster {cluster.name} "
-                         f"({cluster.gpus_per_node} devices); tensor parallelism must stay "
-                         "within a node")
+        print(f"warning: {what} spans nodes of cluster {cluster.name} "
+              f"({cluster.gpus_per_node} devices each): its collectives cross the "
+              "inter-node links at every layer", file=sys.stderr)
     return program
 
 
@@ -291,11 +296,33 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
 
 def cmd_clusters(args: argparse.Namespace) -> int:
-    from cost_models import CATALOG
+    """The catalog with the peak a user plans with (16-bit where the device has one);
+    `NAME --toml`: one entry as a file to edit (4 NICs a node instead of 8, say)."""
+    from cost_models import CATALOG, to_toml
 
+    if args.name is not None:
+        if args.name not in CATALOG:
+            raise PiperError(f"unknown cluster {args.name!r}; known: {', '.join(CATALOG)}")
+        c = CATALOG[args.name]
+        if args.toml:
+            # no name: a cluster file is named by its file's stem
+            print(f"# {c.device}, from the catalog entry {c.name}: edit the figures, then "
+                  "--cluster THIS_FILE.toml")
+            print("".join(line + "\n" for line in to_toml(c).splitlines()
+                          if not line.startswith("name = ")), end="")
+        else:
+            for field in dataclasses.fields(c):
+                print(f"{field.name:<26} {getattr(c, field.name)}")
+        return EXIT_OK
+    if args.toml:
+        raise PiperError("clusters --toml needs a cluster name, e.g. `piper-plan clusters "
+                         "h100-80gb --toml`")
+    print(f"{'name':<15} {'device':<36} {'GPUs':>9} {'memory':>9}  {'peak':>14}")
     for name, c in CATALOG.items():
-        print(f"{name:<11} {c.device:<28} {c.gpus_per_node:>4}/node "
-              f"{c.memory_bytes / 1024**3:>6.0f} GiB  {c.flops / 1e12:>7.1f} TFLOP/s")
+        kind = "bf16" if c.bf16_flops else "fp32"
+        print(f"{name:<15} {c.device:<36} {c.gpus_per_node:>4}/node "
+              f"{c.memory_bytes / 1024**3:>5.0f} GiB  {c.peak_flops(bool(c.bf16_flops)) / 1e12:>7.1f} "
+              f"TFLOP/s {kind}")
     return EXIT_OK
 
 

@@ -110,6 +110,13 @@ def test_zero_units_gather_one_collective_each_and_reduce_scatter_early(
     assert tc.duration(0, fwd) == pytest.approx(
         busy + (n - 1) * max(0.0, unit - busy / n) + c.task_overhead_s)
     assert tc.duration(0, fwd) > one.duration(0, fwd)  # slow links: the gathers show
+    # the gathers inside the chunk take NVLink's contention from it over the share they cover
+    import dataclasses
+
+    hit = task_costs(plan, costs, dataclasses.replace(c, comm_compute_contention=0.5), 4)
+    hidden = (n - 1) * min(unit, busy / n)
+    assert hit.duration(0, fwd) - tc.duration(0, fwd) == pytest.approx(
+        busy * 0.5 * min(1.0, hidden / busy))
     total, cap = tc.gradient_bytes[0], plan.bucket_bytes
     sizes = [cap] * (total // cap) + [total % cap]
     late = sum(collective_time(REDUCE_SCATTER, n, rs.group, c) for n in sizes)

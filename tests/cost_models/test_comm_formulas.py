@@ -69,9 +69,11 @@ def test_all_reduce_takes_the_tree_for_small_messages_and_the_ring_for_large() -
 
 
 def _two_level(**changes: object):
+    """The H100 entry on alpha-beta links (no measured bus-bandwidth curve)."""
     c = CATALOG["h100-80gb"]
     return replace(c, intra_node_latency=ALPHA, intra_node_bandwidth=BETA,
-                   inter_node_latency=1e-4, inter_node_bandwidth=1e9, **changes)
+                   inter_node_latency=1e-4, inter_node_bandwidth=1e9, intra_node_busbw=(),
+                   **changes)
 
 
 def test_a_group_inside_one_node_uses_the_intra_node_link() -> None:

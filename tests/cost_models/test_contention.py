@@ -64,3 +64,15 @@ def test_overlapped_collectives_slow_the_compute_they_overlap(
                          costs.batch)
     assert any(s.stream == "comm" for s in free.spans)
     assert free.step_time_s < contended.step_time_s <= (1 + c) * free.step_time_s
+    # the network's share where the data-parallel pair sits one rank per node (Calculon:
+    # 15% NVLink, 2% InfiniBand), NVLink's where it shares a node
+    apart = {**slow_links, "inter_node_bandwidth": 1e7, "inter_node_latency": 1e-3,
+             "gpus_per_node": 1}
+    net = simulate(plan, costs, ideal_cluster(inter_node_contention=c, **apart), costs.batch)
+    nvlink_only = simulate(plan, costs, ideal_cluster(comm_compute_contention=c, **apart),
+                           costs.batch)
+    alone = simulate(plan, costs, ideal_cluster(**apart), costs.batch)
+    assert net.step_time_s > alone.step_time_s == pytest.approx(nvlink_only.step_time_s)
+    inside = simulate(plan, costs, ideal_cluster(inter_node_contention=c, **slow_links),
+                      costs.batch)
+    assert inside.step_time_s == pytest.approx(free.step_time_s)

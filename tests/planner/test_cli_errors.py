@@ -175,8 +175,6 @@ BAD = {
     "search timeout negative": (["search", GPT, *TINY, "--gpus", "1", "--timeout", "-5",
                                  "--out", "{out}"], ("--timeout must be > 0",)),
     "sp without tp": ([*SIM, "--gpus", "2", "--dp", "2", "--sp"], ("--sp", "needs --tp > 1")),
-    "tp larger than a node": (["simulate", GPT, "--gpus", "16", "--tp", "16"],
-                              ("--tp 16 is larger than a node", "h100-80gb (8 devices)")),
     "ep does not divide the experts": (["simulate", MOE, *TINY, "--gpus", "3", "--dp", "3",
                                         "--ep", "3", "--batch-size", "12"],
                                        ("Shard('experts.*', degree=3)",

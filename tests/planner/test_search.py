@@ -178,6 +178,22 @@ def test_clusters_lists_catalog(capsys):
     out = capsys.readouterr().out
     for name in ("a100-40gb", "a100-80gb", "h100-80gb", "h200", "cpu"):
         assert name in out
+    # the 16-bit peak a user plans with, not the fp32 one
+    assert "312.0 TFLOP/s bf16" in out and "989.0 TFLOP/s bf16" in out
+
+
+def test_clusters_toml_prints_an_entry_to_edit(capsys, tmp_path):
+    import dataclasses
+
+    from cost_models import CATALOG, load_cluster
+
+    assert main(["clusters", "h100-80gb", "--toml"]) == 0
+    path = tmp_path / "four_nics.toml"
+    path.write_text(capsys.readouterr().out.replace(
+        "inter_node_bandwidth = 47000000000.0", "inter_node_bandwidth = 23500000000.0"))
+    mine = load_cluster(str(path))
+    assert mine == dataclasses.replace(CATALOG["h100-80gb"], name="four_nics",
+                                       inter_node_bandwidth=23.5e9)
 
 
 def test_study_minimises_step_time_and_memory_with_a_memory_constraint(searched):
@@ -339,3 +355,18 @@ def test_a_new_study_starts_from_the_expert_defaults_and_beats_them(tmp_path):
                <= score(ev, space, p).predicted["step_time_s"] for p in first)
     assert starting_points(space, "tpe", 4, earlier=12) == []
     assert starting_points(space, "grid", 12, earlier=0) == []
+
+
+def test_simulate_prices_tensor_parallelism_across_nodes_instead_of_refusing_it(capsys):
+    """tp 16 over two 8-GPU nodes (as published Megatron runs did) simulates, with a
+    warning, its every-layer collectives over the network: slower than tp 8 in a node."""
+    common = ["simulate", GPT, *TINY, "--model-arg", "heads=16", "--model-arg", "dim=512",
+              "--gpus", "16", "--cluster", "a100-80gb", "--json"]
+    assert main([*common, "--tp", "16"]) == 0
+    printed = capsys.readouterr()
+    across = json.loads(printed.out)
+    assert across["summary"]["tp"] == 16
+    assert "warning: --tp 16 spans nodes of cluster a100-80gb" in printed.err
+    rc, inside = run_json(capsys, [*common, "--tp", "8", "--dp", "2"])
+    assert rc == 0
+    assert across["predicted"]["step_time_s"] > inside["predicted"]["step_time_s"]

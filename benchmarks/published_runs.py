@@ -82,6 +82,9 @@ class Run:
     """What the source does not state, and the value taken."""
     oom: bool = False
     """The source reports the configuration out of memory."""
+    tp_overlap: bool = False
+    """Tensor-parallel collectives overlapped with the GEMMs (Megatron's --tp-comm-overlap,
+    torchtitan's async TP), priced by `Evaluator.tp_overlap`."""
     dp_overlap: bool = True
     """Gradient reduction overlapped with the backward, as the run did (Megatron's
     --overlap-grad-reduce, DDP's buckets, FSDP's units); False: after it, on the compute
@@ -129,8 +132,7 @@ def megatron_h100() -> list[Run]:
         out.append(Run(
             "megatron-h100", f"GPT {name} tp{tp} pp{pp} dp{dp}", GPT,
             _gpt(h, layers, heads, 131072, 4096), "h100-80gb", gpus, tp, pp, dp, 1, gbs,
-            step, zero=1, schedule="1f1b", sp=True,
-            approx="TP communication overlapped with compute (--tp-comm-overlap)",
+            step, zero=1, schedule="1f1b", sp=True, tp_overlap=True,
             assumed="mbs 1, no recompute, distributed optimizer, 1F1B (vp not stated)"))
     return out
 
@@ -295,6 +297,8 @@ class Result:
     peak_bytes: int
     device_bytes: int
     seconds: float
+    params: int = 0
+    """The model's parameters (as captured)."""
 
     @property
     def error(self) -> float:
@@ -321,7 +325,9 @@ class Evaluators:
             spec = load_model_file(run.model, run.args)
             self.cache[spec_key] = Evaluator(spec, run.gpus, run.gbs, cluster,
                                              precision="bf16-mixed")
-        return self.cache[spec_key].on(cluster, run.gpus, run.gbs)
+        ev = self.cache[spec_key].on(cluster, run.gpus, run.gbs)
+        ev.tp_overlap = run.tp_overlap
+        return ev
 
 
 def simulate(run: Run, evaluators: Evaluators,
@@ -338,7 +344,11 @@ def simulate(run: Run, evaluators: Evaluators,
     result = ev.evaluate(program)
     p = result.prediction
     return Result(run, p.step_time_s, p.max_memory_bytes, ev.cluster.memory_bytes,
-                  time.perf_counter() - t)
+                  time.perf_counter() - t, sum(ev.costs.params))
+
+
+SIZES = (("< 1B", 1e9), ("1-10B", 1e10), ("10-100B", 1e11), (">= 100B", float("inf")))
+"""Model-size buckets the error is reported in (parameters)."""
 
 
 def mape(results: list[Result]) -> float:
@@ -392,6 +402,18 @@ def report(results: list[Result]) -> dict:
         bias = 100 * statistics.fmean(r.error for r in rs)
         print(f"  pp={pp:<3} MAPE {mape(rs):5.1f}%  mean signed {bias:+6.1f}%  ({len(rs)} rows)")
         summary["by_pp"][pp] = {"mape": mape(rs), "bias": bias, "rows": len(rs)}
+    print("\nError against model size (all rows):")
+    by_size: dict[str, list[Result]] = defaultdict(list)
+    for r in results:
+        by_size[next(name for name, top in SIZES if r.params < top)].append(r)
+    for name, _ in SIZES:
+        rs = by_size.get(name)
+        if rs:
+            bias = 100 * statistics.fmean(r.error for r in rs)
+            print(f"  {name:<10} MAPE {mape(rs):5.1f}%  mean signed {bias:+6.1f}%  "
+                  f"({len(rs)} rows)")
+            summary.setdefault("by_size", {})[name] = {"mape": mape(rs), "bias": bias,
+                                                       "rows": len(rs)}
     unfit = [r for r in results if not r.fits]
     print(f"\nMemory: {len(results) - len(unfit)} of {len(results)} published runs predicted "
           "to fit the device" + (": not " + "; ".join(r.run.label for r in unfit)

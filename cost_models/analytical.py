@@ -168,7 +168,9 @@ class ModelCosts:
         attention `ATTENTION_BACKWARD_RATIO` times); every other op costs the cluster's
         per-op overhead plus the bytes it moves over `cluster.elementwise_bandwidth` (twice
         that backward: it reads the output's gradient and what it saved, and writes the
-        input's gradient). Without op records: FLOPs / effective rate.
+        input's gradient). Every kernel adds `cluster.kernel_overhead_s` (twice backward),
+        and the chunk takes at least the host's dispatch of its ops
+        (`cluster.host_dispatch_s`). Without op records: FLOPs / effective rate.
         """
         if not self._ops_match:
             fwd = self.forward_flops_of(regions, samples) / cluster.effective_flops
@@ -196,9 +198,10 @@ class ModelCosts:
         bw = cluster.elementwise_bandwidth
         streamed = moved / bw if bw else 0.0
         launch = kernels * cluster.kernel_overhead_s
-        return (mm + other * cluster.op_overhead_s + streamed + launch,
-                mm_back + BACKWARD_FLOPS_RATIO * (streamed + launch)
-                + other * cluster.backward_op_overhead_s)
+        host = kernels * cluster.host_dispatch_s  # the host queues kernels ahead
+        return (max(mm + other * cluster.op_overhead_s + streamed + launch, host),
+                max(mm_back + BACKWARD_FLOPS_RATIO * (streamed + launch)
+                    + other * cluster.backward_op_overhead_s, BACKWARD_FLOPS_RATIO * host))
 
     def params_of(self, regions: Sequence[str]) -> int:
         return self._sum(self.params, regions)

@@ -66,9 +66,14 @@ _LINKS = ("intra_node_busbw: nccl-tests curves (ml-engineering); ring ceiling: N
 KERNEL_OVERHEAD_S = 3e-6
 """Launch cost of an eager kernel: a small all-reduce on H800 took 3.5 us, 0.5 us when
 replayed from a CUDA graph (NVIDIA/nccl issue 1984), so about 3 us is the launch."""
+HOST_DISPATCH_S = 10e-6
+"""CPU time eager PyTorch spends issuing one op: Python, pybind11, autograd, the ATen
+dispatcher, the backend and cudaLaunchKernel at about 1-5 us each, "~5-25 us of CPU-side
+work per op" (a secondary source, jiahuanglin.xyz "From PyTorch op to kernel launch";
+../shared/published/kernels_and_collectives.md quotes the same range): the middle of it."""
 FITTED: dict[str, dict[str, float]] = {
     "a100": {"sustained_clock": 0.811},
-    "h100": {"sustained_clock": 0.747},
+    "h100": {"sustained_clock": 0.776},
 }
 """The coefficient no source publishes, fitted per GPU generation by least squares on the
 exact published runs of `benchmarks/published_runs.py` (`benchmarks/calibrate_gpus.py`
@@ -76,12 +81,14 @@ refits it and reports the leave-one-source-out error); every catalog GPU of a ge
 shares it."""
 FITTED_ON = ("sustained_clock fitted per GPU generation on the published runs of "
              "benchmarks/published_runs.py (calibrate_gpus.py); kernel_overhead_s 3 us "
-             "(NVIDIA/nccl issue 1984: eager launch vs CUDA graph)")
+             "(NVIDIA/nccl issue 1984: eager launch vs CUDA graph); host_dispatch_s 10 us "
+             "(eager PyTorch's 5-25 us per op, secondary)")
 
 
 def _generation(gen: str, **published: object) -> dict[str, object]:
     """The published figures of a GPU generation with its fitted coefficient."""
-    return {**published, "kernel_overhead_s": KERNEL_OVERHEAD_S, **FITTED[gen]}
+    return {**published, "kernel_overhead_s": KERNEL_OVERHEAD_S,
+            "host_dispatch_s": HOST_DISPATCH_S, **FITTED[gen]}
 
 
 _A100_GEN = _generation(

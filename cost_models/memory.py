@@ -143,19 +143,75 @@ class StageMemory:
         """The highest total over `tasks` (kind, stage) run in order from `base` bytes: a
         forward allocates when it starts and a backward frees when it ends, so the
         backward's own working set is counted while it runs."""
-        live = peak = base
+        return self.peak_parts(base, tasks)[0]
+
+    def peak_parts(self, base: int, tasks: Iterable[tuple[Kind, int]]
+                   ) -> tuple[int, int, int, int]:
+        """(peak, activations, temporaries, communication buffers) at the peak of `peak`:
+        activations are what microbatches keep (and W's products), temporaries ZeRO-3's
+        gathered parameters and what a recompute rebuilds, buffers a full gradient waiting
+        for its reduce-scatter."""
+        live = base
+        best = (base, 0, 0, 0)
         for kind, st in tasks:
+            at = None
             if kind is Kind.FWD:
                 live += self.act[st]
-                peak = max(peak, live + self.gathered[st])
+                at = (live - base, self.gathered[st], 0)
             elif kind is Kind.BWD_I and st in self.recompute:  # the rebuild runs in I
-                peak = max(peak, live + self.gathered[st] + self.rebuilt[st])
+                at = (live - base, self.gathered[st] + self.rebuilt[st], 0)
                 live += self.held[st]
             elif kind.ends_backward:
                 work = self.rebuilt[st] if kind is Kind.BWD else 0
-                peak = max(peak, live + self.gathered[st] + self.grad_buf[st] + work)
+                at = (live - base, self.gathered[st] + work, self.grad_buf[st])
                 live -= self.act[st] + (self.held[st] if kind is Kind.BWD_W else 0)
-        return peak
+            if at is not None and base + sum(at) > best[0]:
+                best = (base + sum(at), *at)
+        return best
+
+
+@dataclass(frozen=True)
+class MemoryParts:
+    """One rank's bytes at its simulated peak, by what holds them."""
+
+    weights: int
+    gradients: int
+    optimizer: int
+    activations: int
+    temporaries: int
+    """ZeRO-3's gathered parameters, what a recompute rebuilds."""
+    buffers: int
+    """Communication buffers: a full gradient waiting for its reduce-scatter."""
+
+    @property
+    def total(self) -> int:
+        return (self.weights + self.gradients + self.optimizer + self.activations
+                + self.temporaries + self.buffers)
+
+    def line(self) -> str:
+        """One line, in the unit of the total (GiB, MiB or KiB)."""
+        unit, size = next((u, b) for u, b in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10))
+                          if self.total >= b or u == "KiB")
+        return (f"weights {self.weights / size:.2f} {unit}, gradients "
+                f"{self.gradients / size:.2f}, optimizer {self.optimizer / size:.2f}, "
+                f"activations {self.activations / size:.2f}, temporaries "
+                f"{self.temporaries / size:.2f}, communication buffers "
+                f"{self.buffers / size:.2f} (total {self.total / size:.2f} {unit})")
+
+
+def static_parts(plan: Plan, costs: ModelCosts) -> tuple[tuple[int, int, int], ...]:
+    """Per rank: (weights, gradients, optimizer state) bytes of `static_bytes`, each sharded
+    as its ZeRO stage shards it (tied copies whole)."""
+    e, o, n, z = costs.element_size, costs.optimizer_bytes, plan.dp, plan.zero
+    share = (1 / n if z >= 3 else 1, 1 / n if z >= 2 else 1, 1 / n if z >= 1 else 1)
+    params, tied = stage_params(plan, costs), tied_copies(plan)
+    out = []
+    for rp in plan.ranks:
+        sharded = sum(params[s] - tied[s][1] for s in rp.stages)
+        whole = sum(tied[s][0] for s in rp.stages)
+        out.append(tuple(round(b * (f * sharded + whole))
+                         for b, f in zip((e, e, o), share, strict=True)))
+    return tuple(out)
 
 
 def peak_memory(plan: Plan, costs: ModelCosts, microbatch_size: int,
@@ -173,3 +229,22 @@ def peak_memory(plan: Plan, costs: ModelCosts, microbatch_size: int,
     return tuple(mem.peak(base, ((s.task.kind, s.task.stage)
                                  for _, _, _, s in sorted(by_rank[rp.rank])))
                  for rp, base in zip(plan.ranks, static_bytes(plan, costs), strict=True))
+
+
+def memory_parts(plan: Plan, costs: ModelCosts, microbatch_size: int,
+                 spans: Iterable[Span]) -> tuple[MemoryParts, ...]:
+    """Per rank: `peak_memory`'s peak, by what holds the bytes (`MemoryParts`)."""
+    mem = StageMemory.of(plan.stage_regions, costs, microbatch_size, plan.zero,
+                         recomputed(plan), plan.bucket_bytes, early_reduce_scatters(plan),
+                         plan.paired)
+    by_rank: dict[int, list[tuple[float, float, int, Span]]] = {rp.rank: [] for rp in plan.ranks}
+    for i, s in enumerate(spans):
+        by_rank[s.rank].append((s.start, s.end, i, s))
+    out = []
+    for rp, base, (w, g, o) in zip(plan.ranks, static_bytes(plan, costs),
+                                   static_parts(plan, costs), strict=True):
+        _, act, temp, buf = mem.peak_parts(base, ((s.task.kind, s.task.stage)
+                                                  for _, _, _, s in sorted(by_rank[rp.rank])))
+        # the static split rounds per part: what rounding left goes to the weights
+        out.append(MemoryParts(w + base - (w + g + o), g, o, act, temp, buf))
+    return tuple(out)

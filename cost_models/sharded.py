@@ -80,9 +80,20 @@ def all_to_all_time(nbytes: float, group: tuple[int, ...], cluster: ClusterSpec)
     return (p - 1) * latency + (p - 1) / p * nbytes / bandwidth
 
 
+def overlapped(comm_s: float, compute_s: float, contention: float) -> float:
+    """What tensor-parallel collectives add to a chunk when they run beside its GEMMs
+    (Megatron's --tp-comm-overlap, torchtitan's async TP): the part the chunk's math does
+    not cover, plus the math slowed by `contention` while they run (Calculon)."""
+    return max(0.0, comm_s - compute_s) + contention * min(comm_s, compute_s)
+
+
 def with_in_graph_comm(tc: TaskCosts, plan: Plan, traffic: InGraphComm, cluster: ClusterSpec,
-                       microbatch_size: int) -> TaskCosts:
-    """`tc` with every chunk's in-graph collectives added, at `microbatch_size` samples."""
+                       microbatch_size: int, tp_overlap: bool = False) -> TaskCosts:
+    """`tc` with every chunk's in-graph collectives added, at `microbatch_size` samples.
+
+    `tp_overlap`: the tensor-parallel ones are overlapped with the chunk's GEMMs
+    (`overlapped`), as published Megatron and torchtitan runs did; piper's runtime runs
+    them in line, so the planner prices them so (False). Expert all-to-alls stay in line."""
     mesh = plan.mesh
     tp_group, ep_group = mesh.tp_group(0), mesh.lift(mesh.ep_group(0), 0)
     scale = microbatch_size / plan.model.batch
@@ -100,11 +111,14 @@ def with_in_graph_comm(tc: TaskCosts, plan: Plan, traffic: InGraphComm, cluster:
                        for b in sizes)
         return sum(comm.collective_time(comm.ALL_REDUCE, b, tp_group, cluster) for b in sizes)
 
+    nodes, per_node = comm.layout(cluster, tp_group)
+    contention = (cluster.inter_node_contention if nodes > 1 and per_node == 1
+                  else cluster.comm_compute_contention)
     fwd, bwd, again = [], [], []
     for s, regions in enumerate(plan.stage_regions):
         a2a = seconds(traffic.all_to_all, regions, "a2a")
-        forward = seconds(traffic.forward_all_reduce, regions, "ar") + a2a
-        backward = seconds(traffic.backward_all_reduce, regions, "ar") + a2a
+        forward = seconds(traffic.forward_all_reduce, regions, "ar")
+        backward = seconds(traffic.backward_all_reduce, regions, "ar")
         if traffic.forward_all_gather:
             forward += seconds(traffic.forward_all_gather, regions, "ag")
         if traffic.sequence_scatter or traffic.sequence_gather:
@@ -112,6 +126,10 @@ def with_in_graph_comm(tc: TaskCosts, plan: Plan, traffic: InGraphComm, cluster:
                         + seconds(traffic.sequence_gather, regions, "ag"))
             backward += (seconds(traffic.sequence_scatter, regions, "ag")
                          + seconds(traffic.sequence_gather, regions, "rs"))
+        if tp_overlap:
+            forward = overlapped(forward, tc.forward_s[s], contention)
+            backward = overlapped(backward, tc.backward_s[s], contention)
+        forward, backward = forward + a2a, backward + a2a
         # a recompute re-runs the forward's collectives inside the backward
         rebuilt = forward if s in plan.recompute else 0.0
         fwd.append(tc.forward_s[s] + forward)

@@ -104,6 +104,11 @@ class ClusterSpec:
     """Fixed GPU seconds per kernel besides its math and bytes (launch, ramp-up and the
     tail of its last wave), every kernel: what makes many small kernels cost more than
     their FLOPs and bytes say."""
+    host_dispatch_s: float = 0.0
+    """CPU seconds eager PyTorch spends issuing one op (Python, autograd, dispatcher,
+    launch): the device runs a chunk's kernels in order while the host queues them ahead, so
+    a chunk takes the longer of its kernels' time and its ops' dispatch (host-bound when
+    the kernels are small). 0: never host-bound."""
     sustained_clock: float = 1.0
     """Share of the measured best-shape rates (`compute_efficiency`,
     `attention_efficiency`) that math sustains through a whole training step: power and
@@ -149,7 +154,7 @@ class ClusterSpec:
         for f in ("matmul_half_flops", "op_overhead_s", "backward_op_overhead_s",
                   "optimizer_tensor_overhead_s", "task_overhead_s", "send_overhead_s",
                   "comm_compute_contention", "inter_node_contention",
-                  "kernel_overhead_s"):
+                  "kernel_overhead_s", "host_dispatch_s"):
             v = getattr(self, f)
             if not is_number(v) or not 0 <= v < math.inf:
                 problems.append(f"{f} must be a finite number >= 0, got {v!r}")

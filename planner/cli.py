@@ -348,13 +348,20 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         write_timeline(result.prediction.spans, args.timeline,
                        stands_for=stands_for(result.plan, cluster),
                        title=f"{summary_line(result.summary)} on {cluster.name}")
+    parts = ev.memory_parts(result)
+    top = max(range(len(parts)), key=lambda i: parts[i].total)
+    rank = result.prediction.ranks[top]
     if args.json:
-        _emit({"predicted": pred, "summary": result.summary})
+        _emit({"predicted": pred, "summary": result.summary,
+               "memory": {"rank": rank, **dataclasses.asdict(parts[top])}})
     else:
         print(f"summary:   {summary_line(result.summary)}")
         print(f"predicted: {predicted_line(pred)}")
         print(f"           step time {pred['step_time_s']!r} s, bubble "
               f"{result.prediction.bubble_fraction * 100:.1f}%")
+        fits = "fits" if parts[top].total <= cluster.memory_bytes else "DOES NOT FIT"
+        print(f"memory:    rank {rank} at its peak: {parts[top].line()}; {fits} "
+              f"{cluster.memory_bytes / 2**30:.0f} GiB")
         print("\n".join(_usage_lines(result.prediction, _alike(result.plan, cluster))))
     return EXIT_OK
 

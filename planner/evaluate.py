@@ -9,6 +9,7 @@ from typing import Any
 
 from cost_models import ClusterSpec, ModelCosts, Prediction, simulate
 from cost_models.analytical import task_costs, with_precision
+from cost_models.memory import MemoryParts, memory_parts
 from cost_models.sharded import InGraphComm, with_in_graph_comm
 from piper.capture import ModelGraph
 from piper.dag import TrainingDAG, single_device_dag
@@ -66,6 +67,10 @@ class Evaluator:
     everything a result depends on."""
     precision: str = "fp32"
     """What the strategies will train in (`piper-plan run --precision`)."""
+    tp_overlap: bool = False
+    """Price tensor-parallel collectives as overlapped with the GEMMs (Megatron's
+    --tp-comm-overlap; `cost_models.sharded.overlapped`): for published runs that used it
+    and what-ifs; piper's runtime runs them in line, so the planner leaves this off."""
     fold: bool = True
     """Trace two copies of each repeated layer and grow the rest (`planner.repeats`): the
     same graph and costs, a fraction of the capture time."""
@@ -217,11 +222,18 @@ class Evaluator:
         return dataclasses.replace(plan, bucket_bytes=bucket,
                                    sharding=dataclasses.replace(plan.sharding, sp=sp))
 
+    def memory_parts(self, result: Evaluation) -> tuple[MemoryParts, ...]:
+        """Per simulated rank of `result`: its peak by what holds the bytes (weights,
+        gradients, optimizer, activations, temporaries, communication buffers)."""
+        plan = result.plan
+        costs = self.costs if plan.sharding.trivial else self.sharded_costs(plan.sharding)[0]
+        return memory_parts(plan, costs, result.microbatch_size, result.prediction.spans)
+
     def evaluate(self, program: Program) -> Evaluation:
         """Apply, schedule and simulate `program`, or return the cached result for its key."""
         mb = program_microbatch_size(program, self.batch_size)
         key = evaluation_key(program, self.captured.graph, self.costs, self.cluster, mb,
-                             self.gpus)
+                             self.gpus, tp_overlap=self.tp_overlap)
         hit = self.cache.get(key)
         if hit is not None:
             return hit
@@ -234,7 +246,8 @@ class Evaluator:
             if share:  # what crosses stages is 1/tp of the sequence per rank
                 tc = dataclasses.replace(tc, value_bytes=tuple(
                     (v, round(b * share.get(v, 1.0))) for v, b in tc.value_bytes))
-            durations = with_in_graph_comm(tc, plan, traffic, self.cluster, mb)
+            durations = with_in_graph_comm(tc, plan, traffic, self.cluster, mb,
+                                           self.tp_overlap)
             pred = simulate(plan, costs, self.cluster, mb, durations=durations)
             # MFU counts the whole model's FLOPs; the slice's are 1/tp of them
             full, part = self.costs.forward_flops_per_sample, costs.forward_flops_per_sample

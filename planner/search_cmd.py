@@ -121,7 +121,11 @@ def search(args: argparse.Namespace) -> int:
     files.update(write_figures(out, best_eval, result, memory_limit_bytes=cluster.memory_bytes,
                                stands_for=stands_for(best_eval.plan, cluster)))
     left = unused(b.summary)
+    parts = ev.memory_parts(best_eval)
+    top = max(range(len(parts)), key=lambda i: parts[i].total)
     log(f"best: {summary_line(b.summary)}\n      {predicted_line(b.predicted)}\n"
+        f"      memory of rank {best_eval.prediction.ranks[top]} at its peak: "
+        f"{parts[top].line()}\n"
         + (f"      {'; '.join(left)}\n" if left else "")
         + f"wrote {files['strategy_file']} and {files['strategy_json']} ({total:.1f} s), "
         f"{files['timeline'].name}, {files['pareto'].name} and {files['trace'].name}")
@@ -131,7 +135,9 @@ def search(args: argparse.Namespace) -> int:
         best: dict[str, Any] = {"strategy_file": str(files["strategy_file"]),
                                 "program": json.loads(b.program.to_json()),
                                 "summary": b.summary, "predicted": b.predicted,
-                                "unused": left}
+                                "unused": left,
+                                "memory": {"rank": best_eval.prediction.ranks[top],
+                                           **dataclasses.asdict(parts[top])}}
         obj: dict[str, Any] = {
             "best": best,
             "trials": result.trials,

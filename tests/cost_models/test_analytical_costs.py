@@ -47,7 +47,8 @@ def test_a_causal_fused_attention_is_timed_at_half_its_counted_flops(costs: Mode
     attention = [g for g in costs.ops[i] if g.work != 1.0]
     assert [(g.flops, g.work) for g in attention] == [(2 * (2 * b * t * t * d), CAUSAL_WORK)]
     flat = dataclasses.replace(CATALOG["h100-80gb"], matmul_half_flops=0.0, op_overhead_s=0.0,
-                               elementwise_bandwidth=None, attention_efficiency=None)
+                               elementwise_bandwidth=None, attention_efficiency=None,
+                               host_dispatch_s=0.0)
     whole = dataclasses.replace(costs, ops=tuple(
         tuple(dataclasses.replace(g, work=1.0) for g in groups) for groups in costs.ops))
     half, full = (c.chunk_seconds(["layer.1"], b, flat)[0] for c in (costs, whole))
@@ -115,7 +116,7 @@ def test_compute_durations_are_flops_over_effective_rate(
     plan = make_plan("1f1b", pp=2, microbatches=4, dp=2)
     # the roofline alone: no SM waves, kernel costs or measured NCCL curves
     c = dataclasses.replace(CATALOG["a100-80gb"], sms=0, kernel_overhead_s=0.0,
-                            sustained_clock=1.0, intra_node_busbw=())
+                            host_dispatch_s=0.0, sustained_clock=1.0, intra_node_busbw=())
     tc = task_costs(plan, costs, c, microbatch_size=4)
     flops = costs.forward_flops_of(plan.stage_regions[1], 4)
     assert flops == 2 * costs.forward_flops_of(plan.stage_regions[1], costs.batch)

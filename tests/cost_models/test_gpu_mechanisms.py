@@ -131,3 +131,13 @@ def test_the_loss_streams_the_logits_in_fp32_on_the_output_region(costs: ModelCo
     # bf16-mixed halves every other op's bytes, not the loss's (autocast keeps it fp32)
     bf16 = with_precision(costs, "bf16-mixed")
     assert [g.nbytes for g in bf16.ops[head] if g.fp32] == [g.nbytes for g in loss]
+
+
+def test_small_kernels_wait_for_the_host_to_issue_them() -> None:
+    costs = _one_gemm(64, 64, 64)  # a 0.5 MFLOP GEMM: far shorter than its dispatch
+    quiet = dataclasses.replace(A100, host_dispatch_s=0.0)
+    assert costs.chunk_seconds(["r"], 1, quiet)[0] < 1e-5
+    host = dataclasses.replace(A100, host_dispatch_s=1e-4)
+    assert costs.chunk_seconds(["r"], 1, host) == pytest.approx((1e-4, 2e-4))
+    big = _one_gemm(8192, 8192, 8192)  # the host runs ahead of a long kernel: no cost
+    assert big.chunk_seconds(["r"], 1, host) == big.chunk_seconds(["r"], 1, quiet)

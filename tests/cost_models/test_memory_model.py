@@ -110,3 +110,30 @@ def test_zero_units_hold_two_units_of_a_microbatch_gradient(make_plan: Callable[
     # split backward (zb1p): W makes the gradients after autograd, so they wait whole
     zb = make_plan("zb1p", pp=2, microbatches=4, dp=2, zero=3, bucket_mb=0.01)
     assert early_reduce_scatters(zb) == frozenset()
+
+
+@pytest.mark.parametrize(("zero", "recompute"), [(0, False), (1, False), (2, True),
+                                                 (3, False)])
+def test_the_peak_breaks_down_into_state_activations_and_buffers(
+        make_plan: Callable[..., Plan], costs: ModelCosts, ideal_cluster, zero: int,
+        recompute: bool) -> None:
+    import dataclasses
+
+    from cost_models import simulate
+    from cost_models.memory import memory_parts
+
+    plan = make_plan("1f1b", pp=2, microbatches=4, dp=2, zero=zero)
+    if recompute:
+        plan = dataclasses.replace(plan, recompute=frozenset({0, 1}))
+    pred = simulate(plan, costs, ideal_cluster(), 2)
+    parts = memory_parts(plan, costs, 2, pred.spans)
+    assert tuple(p.total for p in parts) == pred.peak_memory_bytes
+    stage0 = costs.params_of(plan.stage_regions[0])
+    e, n = costs.element_size, plan.dp
+    first = parts[0]
+    assert first.gradients == round(e * stage0 / (n if zero >= 2 else 1))
+    assert first.optimizer == round(costs.optimizer_bytes * stage0 / (n if zero else 1))
+    assert abs(first.weights - e * stage0 / (n if zero == 3 else 1)) <= 2
+    assert first.activations > 0
+    assert (first.temporaries > 0) == (zero == 3 or recompute)
+    assert first.line().startswith("weights ") and first.line().endswith(" KiB)")

@@ -10,7 +10,12 @@ import pytest
 import piper
 from cost_models import comm, load_cluster
 from cost_models.analytical import task_costs
-from cost_models.sharded import all_to_all_time, in_graph_comm, with_in_graph_comm
+from cost_models.sharded import (
+    all_to_all_time,
+    in_graph_comm,
+    overlapped,
+    with_in_graph_comm,
+)
 from piper import schedules
 from piper.model_file import load_model_file
 from piper.sharding import ModelSharding
@@ -56,6 +61,21 @@ def test_the_gathered_logits_are_priced_as_an_all_gather() -> None:
     gather = comm.collective_time(comm.ALL_GATHER, 4 * 16 * 128 * 4, (0, 1), cluster)
     assert got.forward_s[0] - no_gather.forward_s[0] == pytest.approx(gather)
     assert got.backward_s[0] == no_gather.backward_s[0], "backward keeps a slice: no traffic"
+    # overlapped with the GEMMs (Megatron's --tp-comm-overlap): only what the chunk's math
+    # does not cover shows, plus NVLink's contention over what it does
+    hidden = with_in_graph_comm(base, plan, traffic, cluster, 4, tp_overlap=True)
+    for got_s, base_s, hid_s in ((got.forward_s[0], base.forward_s[0], hidden.forward_s[0]),
+                                 (got.backward_s[0], base.backward_s[0],
+                                  hidden.backward_s[0])):
+        tp = got_s - base_s
+        assert hid_s - base_s == pytest.approx(overlapped(tp, base_s, 0.15))
+        assert base_s <= hid_s <= got_s
+
+
+def test_overlapped_collectives_show_what_the_math_does_not_cover() -> None:
+    assert overlapped(1.0, 3.0, 0.15) == pytest.approx(0.15)
+    assert overlapped(3.0, 1.0, 0.15) == pytest.approx(2.15)
+    assert overlapped(0.0, 1.0, 0.15) == 0.0
 
 
 def test_chunk_times_grow_by_exactly_the_in_graph_collectives() -> None:

@@ -61,6 +61,10 @@ def test_simulating_exported_strategy_gives_searched_prediction(searched, capsys
     assert set(best["predicted"]) == {"step_time_s", "peak_memory_bytes", "ranks", "tokens_per_s",
                                       "mfu"}
     assert res["feasible_trials"] <= res["trials"] <= 12
+    # the best's peak, by what holds it (weights, gradients, optimizer, activations, ...)
+    mem = best["memory"]
+    parts = ("weights", "gradients", "optimizer", "activations", "temporaries", "buffers")
+    assert sum(mem[k] for k in parts) == max(best["predicted"]["peak_memory_bytes"])
     for f in ("best_strategy.py", "best_strategy.json"):
         rc, sim = run_json(capsys, ["simulate", GPT, *TINY, "--gpus", "4", "--strategy",
                                     str(out / f), "--json"])

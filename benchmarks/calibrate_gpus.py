@@ -22,10 +22,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import published_runs as pr  # noqa: E402 - after the path above
+import published_runs as pr
 
-from cost_models import ClusterSpec  # noqa: E402
-from cost_models.gpu_fit import (  # noqa: E402
+from cost_models import ClusterSpec
+from cost_models.gpu_fit import (
     SLOW_STEP,
     CalibrationRow,
     by_generation,

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from cost_models.spec import GiB, ClusterSpec
-
+from cost_models.spec import ClusterSpec, GiB
 
 # Where catalog figures come from. Peak rates, memory sizes and bandwidths, and link rates are
 # vendor datasheet numbers; kernel rates, NCCL curves and contention are published
@@ -17,8 +16,8 @@ ELEMENTWISE_SHARE = 0.9
 """Share of the HBM bandwidth a large memory-bound kernel (norm, activation, add) streams
 at: Calculon's HBM efficiency at >= 100 MB (calculon-ai/calculon `systems/a100_80g.json`);
 smaller kernels lose their fixed cost besides (`ClusterSpec.kernel_overhead_s`)."""
-_ASSUMED = ("assumed, not measured: elementwise_bandwidth 0.9 of the HBM bandwidth (Calculon's efficiency at "
-            ">= 100 MB); NVLink p2p latency assumed")
+_ASSUMED = ("assumed, not measured: elementwise_bandwidth 0.9 of the HBM bandwidth "
+            "(Calculon's efficiency at >= 100 MB); NVLink p2p latency assumed")
 _MAMF = ("compute_efficiency: the maximum achievable bf16 matmul FLOP/s measured with "
          "mamf-finder.py (stas00/ml-engineering, compute/accelerator/README.md, 'Maximum "
          "Achievable Matmul FLOPS comparison table')")

@@ -23,11 +23,18 @@ from dataclasses import fields
 from pathlib import Path
 
 from cost_models.catalog import CATALOG
-from cost_models.spec import COLLECTIVE_FIELDS, GiB, AlphaBeta, ClusterSpec, is_number
+from cost_models.spec import COLLECTIVE_FIELDS, AlphaBeta, ClusterSpec, GiB, is_number
 from piper.errors import PiperError
 
-__all__ = ["CATALOG", "COLLECTIVE_FIELDS", "GiB", "AlphaBeta", "ClusterSpec", "load_cluster",
-           "to_toml"]
+__all__ = [
+    "CATALOG",
+    "COLLECTIVE_FIELDS",
+    "AlphaBeta",
+    "ClusterSpec",
+    "GiB",
+    "load_cluster",
+    "to_toml",
+]
 
 
 

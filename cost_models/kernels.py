@@ -7,8 +7,8 @@ fills few SMs, or whose edges fill few tile rows, runs at the share of the devic
 occupy: 2,048 x 2,048 outputs make 128 tiles of 256 x 128, two waves on an A100's 108 SMs of
 which the second is 18% full (59% of the slots), or 256 tiles of 128 x 128 in three waves
 (79%). The library picks among tile shapes; the largest ones (`TILES`) reach the best-shape
-rate, smaller ones less, so this model takes the best of the large ones. With many waves the loss vanishes,
-which is why it is the microbatch size and tp of small models that it changes.
+rate, smaller ones less, so this model takes the best of the large ones. With many waves the
+loss vanishes, which is why it is the microbatch size and tp of small models that it changes.
 
 A backward runs two GEMMs of the forward's operands in other roles: the input gradient
 (M x K output, reducing over N) and the weight gradient (K x N output, reducing over M).

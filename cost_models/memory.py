@@ -8,9 +8,11 @@ parameters while one of its chunks runs (in units, two units: `runtime.unit_gath
 ZeRO-2/3 add a microbatch's full gradient from its backward to its reduce-scatter, or with
 units whose reduce-scatters start inside the backward (`runtime.zero`) at most two units
 of it. Activations of a microbatch live from the start of its forward to the end of its
-backward, which is what separates GPipe from 1F1B. They are what autograd saves (`cost_models.saved`); on a recomputed stage (`piper.Recompute`) a
-microbatch keeps only its regions' inputs, and a backward rebuilds one region's saved
-tensors at a time.
+backward, which is what separates GPipe from 1F1B. They are what autograd saves
+(`cost_models.saved`); on a recomputed stage (`piper.Recompute`) a microbatch keeps only its
+regions' inputs, and a backward rebuilds one region's saved tensors at a time.
+`memory_parts` tells a rank's peak apart: weights, gradients, optimizer state, activations,
+temporaries and communication buffers.
 """
 
 from __future__ import annotations

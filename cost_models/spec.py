@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import bisect
+import itertools
 import math
 from dataclasses import dataclass
 
@@ -257,8 +258,8 @@ def _curve_problems(points: object) -> list[str]:
     ok = isinstance(points, tuple) and all(
         isinstance(p, tuple) and len(p) == 2 and all(is_number(x) and x > 0 for x in p)
         for p in points)
-    if ok and all(a[0] < b[0] for a, b in zip(points, points[1:])):
+    if ok and all(a[0] < b[0] for a, b in itertools.pairwise(points)):
         return []
-    return [f"intra_node_busbw must be (bytes, bytes/s) pairs > 0 in increasing size, "
-            f"got {points!r}"]
+    return [(f"intra_node_busbw must be (bytes, bytes/s) pairs > 0 in increasing size, got "
+             f"{points!r}")]
 

@@ -320,9 +320,9 @@ def cmd_clusters(args: argparse.Namespace) -> int:
     print(f"{'name':<15} {'device':<36} {'GPUs':>9} {'memory':>9}  {'peak':>14}")
     for name, c in CATALOG.items():
         kind = "bf16" if c.bf16_flops else "fp32"
+        peak = c.peak_flops(bool(c.bf16_flops)) / 1e12
         print(f"{name:<15} {c.device:<36} {c.gpus_per_node:>4}/node "
-              f"{c.memory_bytes / 1024**3:>5.0f} GiB  {c.peak_flops(bool(c.bf16_flops)) / 1e12:>7.1f} "
-              f"TFLOP/s {kind}")
+              f"{c.memory_bytes / 1024**3:>5.0f} GiB  {peak:>7.1f} TFLOP/s {kind}")
     return EXIT_OK
 
 

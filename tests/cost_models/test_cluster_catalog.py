@@ -142,3 +142,13 @@ def test_gpu_entries_say_which_figures_are_datasheet_and_which_assumed(name: str
 
 def test_the_cpu_entry_says_it_is_not_measured() -> None:
     assert "not measured" in CATALOG["cpu"].source and "profile" in CATALOG["cpu"].source
+
+
+def test_a_bus_bandwidth_curve_out_of_order_is_refused_in_one_line(tmp_path: Path) -> None:
+    text = "\n".join(line for line in MINIMAL.splitlines()
+                     if not line.startswith("intra_node_busbw"))
+    with pytest.raises(PiperError) as e:
+        load_cluster(_write(tmp_path, text + "\nintra_node_busbw = [[2e6, 1e9], [1e6, 2e9]]\n"))
+    assert "intra_node_busbw" in str(e.value) and "\n" not in str(e.value)
+    spec = load_cluster(_write(tmp_path, text + "\nintra_node_busbw = [[1e6, 1e9], [2e6, 2e9]]\n"))
+    assert spec.busbw(1.5e6, ring=False) == pytest.approx(1e9 * 2 ** (0.5849625007211562))

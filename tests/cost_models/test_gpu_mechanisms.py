@@ -5,6 +5,7 @@ slowed by the collectives beside it (per fabric)."""
 from __future__ import annotations
 
 import dataclasses
+
 import pytest
 
 from cost_models import CATALOG, ClusterSpec, ModelCosts

@@ -20,7 +20,8 @@ from __future__ import annotations
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 
-from cost_models.analytical import ModelCosts, gathered_element_size, recomputed
+from cost_models.analytical import ModelCosts
+from cost_models.task_costs import gathered_element_size, recomputed
 from piper.dag import Kind
 from runtime.buckets import early_reduce_scatters
 from runtime.dryrun import Span

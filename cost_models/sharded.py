@@ -13,8 +13,9 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from cost_models import comm
-from cost_models.analytical import ModelCosts, TaskCosts
+from cost_models.analytical import ModelCosts
 from cost_models.cluster import ClusterSpec
+from cost_models.task_costs import TaskCosts
 from piper.capture import Captured
 from runtime.plan import Plan
 

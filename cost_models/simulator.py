@@ -14,9 +14,10 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from cost_models import contention
-from cost_models.analytical import ModelCosts, TaskCosts, task_costs
+from cost_models.analytical import ModelCosts
 from cost_models.cluster import ClusterSpec
 from cost_models.memory import peak_memory
+from cost_models.task_costs import TaskCosts, task_costs
 from piper.dag import Kind
 from runtime.dryrun import Span
 from runtime.plan import COMPUTE_STREAM, PAIR_STREAM, Plan, Task

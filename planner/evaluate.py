@@ -8,9 +8,10 @@ from functools import cached_property
 from typing import Any
 
 from cost_models import ClusterSpec, ModelCosts, Prediction, simulate
-from cost_models.analytical import task_costs, with_precision
+from cost_models.analytical import with_precision
 from cost_models.memory import MemoryParts, memory_parts
 from cost_models.sharded import InGraphComm, with_in_graph_comm
+from cost_models.task_costs import task_costs
 from piper.capture import ModelGraph
 from piper.dag import TrainingDAG, single_device_dag
 from piper.directives import (

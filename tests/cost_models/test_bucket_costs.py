@@ -131,8 +131,8 @@ def test_zero_units_gather_one_collective_each_and_reduce_scatter_early(
 
 
 def test_zero3_units_hold_two_units_gathered_not_the_stage(make_plan, costs: ModelCosts):
-    from cost_models.analytical import gathered_element_size
     from cost_models.memory import StageMemory
+    from cost_models.task_costs import gathered_element_size
 
     plan = make_plan("1f1b", pp=2, microbatches=4, dp=2, zero=3, bucket_mb=0.01)
     size = gathered_element_size(costs, 3)

@@ -9,13 +9,13 @@ import pytest
 
 import piper
 from cost_models import comm, load_cluster
-from cost_models.analytical import task_costs
 from cost_models.sharded import (
     all_to_all_time,
     in_graph_comm,
     overlapped,
     with_in_graph_comm,
 )
+from cost_models.task_costs import task_costs
 from piper import schedules
 from piper.model_file import load_model_file
 from piper.sharding import ModelSharding

@@ -102,6 +102,15 @@ def _layout(gpus_per_node: int, ranks: tuple[int, ...]) -> tuple[int, int]:
     return len(per), max(per.values(), default=0)
 
 
+def contention(cluster: ClusterSpec, group: Sequence[int]) -> float:
+    """Share of compute lost while a collective of `group` runs beside it: the network's
+    (`inter_node_contention`) where the group has one rank per node, so the NICs carry it,
+    else NVLink's (`comm_compute_contention`)."""
+    nodes, per_node = layout(cluster, group)
+    return (cluster.inter_node_contention if nodes > 1 and per_node == 1
+            else cluster.comm_compute_contention)
+
+
 def p2p_message_time(cluster: ClusterSpec, src: int, dst: int, nbytes: float) -> float:
     """A message between two ranks: the fitted intra-node P2P figures when the cluster has
     them and both ranks share a node, else the link the pair spans."""

@@ -21,7 +21,7 @@ import bisect
 from collections.abc import Callable, Sequence
 
 from cost_models.cluster import ClusterSpec
-from cost_models.comm import layout
+from cost_models.comm import contention as comm_contention
 from runtime.dryrun import Span, dry_run
 from runtime.plan import Plan, Task
 
@@ -91,19 +91,11 @@ def stretch(spans: Sequence[Span], cluster: ClusterSpec) -> dict[Key, float]:
                 comm.setdefault(s.rank, []).append(s)
         for s in compute:
             mine = [o for o in comm.get(s.rank, ()) if o.stream != s.stream]
-            lost = sum(_contention(o, cluster)
+            lost = sum(comm_contention(cluster, o.task.group)
                        * max(0.0, min(s.end, o.end) - max(s.start, o.start)) for o in mine)
             most = max(cluster.comm_compute_contention, cluster.inter_node_contention)
             out[(s.rank, s.task.name)] *= 1 + min(lost / (s.end - s.start), most)
     return out
-
-
-def _contention(span: Span, cluster: ClusterSpec) -> float:
-    """What a collective takes from compute beside it: NVLink's share, or the network's
-    where its group has one rank per node."""
-    nodes, per_node = layout(cluster, span.task.group)
-    return cluster.inter_node_contention if nodes > 1 and per_node == 1 else (
-        cluster.comm_compute_contention)
 
 
 class _Occupancy:

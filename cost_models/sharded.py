@@ -112,9 +112,7 @@ def with_in_graph_comm(tc: TaskCosts, plan: Plan, traffic: InGraphComm, cluster:
                        for b in sizes)
         return sum(comm.collective_time(comm.ALL_REDUCE, b, tp_group, cluster) for b in sizes)
 
-    nodes, per_node = comm.layout(cluster, tp_group)
-    contention = (cluster.inter_node_contention if nodes > 1 and per_node == 1
-                  else cluster.comm_compute_contention)
+    contention = comm.contention(cluster, tp_group)
     fwd, bwd, again = [], [], []
     for s, regions in enumerate(plan.stage_regions):
         a2a = seconds(traffic.all_to_all, regions, "a2a")

@@ -111,9 +111,7 @@ class TaskCosts:
         if n < 2 or busy <= 0 or task.kind not in (Kind.FWD, Kind.BWD, Kind.BWD_I):
             return 0.0
         group = self.unit_groups[task.stage]
-        nodes, per_node = comm.layout(self.cluster, group)
-        c = (self.cluster.inter_node_contention if nodes > 1 and per_node == 1
-             else self.cluster.comm_compute_contention)
+        c = comm.contention(self.cluster, group)
         hidden = (n - 1) * min(self._unit_gather(task.stage, group), busy / n)
         return c * min(1.0, hidden / busy)
 

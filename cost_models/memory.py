@@ -217,11 +217,10 @@ def static_parts(plan: Plan, costs: ModelCosts) -> tuple[tuple[int, int, int], .
     return tuple(out)
 
 
-def peak_memory(plan: Plan, costs: ModelCosts, microbatch_size: int,
-                spans: Iterable[Span], recompute: bool | None = None) -> tuple[int, ...]:
-    """Per rank: the highest static + live-activation total along the simulated timeline
-    (`StageMemory.peak`; under recompute: the largest region a backward rebuilds, during B
-    or I; after I, W's products until W ends). `recompute` as in `activation_bytes`."""
+def _timeline(plan: Plan, costs: ModelCosts, microbatch_size: int, spans: Iterable[Span],
+              recompute: bool | None) -> tuple[StageMemory, list[list[tuple[Kind, int]]]]:
+    """The plan's per-stage accounts, and per rank its (kind, stage) tasks in the order
+    they ran on the simulated timeline."""
     mem = StageMemory.of(plan.stage_regions, costs, microbatch_size, plan.zero,
                          recomputed(plan, recompute), plan.bucket_bytes,
                          early_reduce_scatters(plan), plan.paired)
@@ -229,25 +228,28 @@ def peak_memory(plan: Plan, costs: ModelCosts, microbatch_size: int,
     # ties in time (zero-length tasks) keep the executor's completion order, which is causal
     for i, s in enumerate(spans):
         by_rank[s.rank].append((s.start, s.end, i, s))
-    return tuple(mem.peak(base, ((s.task.kind, s.task.stage)
-                                 for _, _, _, s in sorted(by_rank[rp.rank])))
-                 for rp, base in zip(plan.ranks, static_bytes(plan, costs), strict=True))
+    return mem, [[(s.task.kind, s.task.stage) for _, _, _, s in sorted(by_rank[rp.rank])]
+                 for rp in plan.ranks]
+
+
+def peak_memory(plan: Plan, costs: ModelCosts, microbatch_size: int,
+                spans: Iterable[Span], recompute: bool | None = None) -> tuple[int, ...]:
+    """Per rank: the highest static + live-activation total along the simulated timeline
+    (`StageMemory.peak`; under recompute: the largest region a backward rebuilds, during B
+    or I; after I, W's products until W ends). `recompute` as in `activation_bytes`."""
+    mem, tasks = _timeline(plan, costs, microbatch_size, spans, recompute)
+    return tuple(mem.peak(base, ts)
+                 for ts, base in zip(tasks, static_bytes(plan, costs), strict=True))
 
 
 def memory_parts(plan: Plan, costs: ModelCosts, microbatch_size: int,
                  spans: Iterable[Span]) -> tuple[MemoryParts, ...]:
     """Per rank: `peak_memory`'s peak, by what holds the bytes (`MemoryParts`)."""
-    mem = StageMemory.of(plan.stage_regions, costs, microbatch_size, plan.zero,
-                         recomputed(plan), plan.bucket_bytes, early_reduce_scatters(plan),
-                         plan.paired)
-    by_rank: dict[int, list[tuple[float, float, int, Span]]] = {rp.rank: [] for rp in plan.ranks}
-    for i, s in enumerate(spans):
-        by_rank[s.rank].append((s.start, s.end, i, s))
+    mem, tasks = _timeline(plan, costs, microbatch_size, spans, None)
     out = []
-    for rp, base, (w, g, o) in zip(plan.ranks, static_bytes(plan, costs),
+    for ts, base, (w, g, o) in zip(tasks, static_bytes(plan, costs),
                                    static_parts(plan, costs), strict=True):
-        _, act, temp, buf = mem.peak_parts(base, ((s.task.kind, s.task.stage)
-                                                  for _, _, _, s in sorted(by_rank[rp.rank])))
+        _, act, temp, buf = mem.peak_parts(base, ts)
         # the static split rounds per part: what rounding left goes to the weights
         out.append(MemoryParts(w + base - (w + g + o), g, o, act, temp, buf))
     return tuple(out)

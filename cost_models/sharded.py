@@ -18,6 +18,7 @@ from cost_models.cluster import ClusterSpec
 from cost_models.task_costs import TaskCosts
 from piper.capture import Captured
 from runtime.plan import Plan
+from runtime.regather import is_sequence_gather, regathering_users
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,9 @@ class InGraphComm:
     """Sequence parallelism: whole tensors reduce-scattered forward, gathered backward."""
     sequence_gather: tuple[tuple[int, ...], ...] = ()
     """Sequence parallelism: gathered tensors forward, reduce-scattered backward."""
+    sequence_regather: tuple[tuple[int, ...], ...] = ()
+    """Sequence parallelism: gathered again in backward by a linear that kept only its
+    slice (`runtime.regather`, Megatron's)."""
 
     def in_precision(self, costs: ModelCosts) -> InGraphComm:
         """These collectives' bytes when training in `costs.precision`: bf16 training
@@ -45,7 +49,8 @@ class InGraphComm:
 
         return InGraphComm(scaled(self.forward_all_reduce), scaled(self.backward_all_reduce),
                            scaled(self.all_to_all), scaled(self.forward_all_gather),
-                           scaled(self.sequence_scatter), scaled(self.sequence_gather))
+                           scaled(self.sequence_scatter), scaled(self.sequence_gather),
+                           scaled(self.sequence_regather))
 
 
 def in_graph_comm(captured: Captured) -> InGraphComm:
@@ -56,6 +61,7 @@ def in_graph_comm(captured: Captured) -> InGraphComm:
     gather: list[list[int]] = [[] for _ in range(n)]
     scatter: list[list[int]] = [[] for _ in range(n)]
     sp_gathers: list[list[int]] = [[] for _ in range(n)]
+    regathers: list[list[int]] = [[] for _ in range(n)]
     into = {"tp_reduce": fwd, "tp_copy": bwd, "all_to_all": a2a, "tp_gather": gather,
             "sp_scatter": scatter, "sp_gather": sp_gathers}
     for node in captured.program.graph.nodes:
@@ -66,10 +72,13 @@ def in_graph_comm(captured: Captured) -> InGraphComm:
         val = node.meta["val"]
         if name == "sp_scatter":  # the whole (unscattered) tensor is what the ring moves
             val = node.args[0].meta["val"]
-        into[name][captured.node_region[node.name]].append(val.numel() * val.element_size())
+        region, nbytes = captured.node_region[node.name], val.numel() * val.element_size()
+        into[name][region].append(nbytes)
+        if is_sequence_gather(node):
+            regathers[region].extend([nbytes] * len(regathering_users(node)))
     # sequence parallelism: a gather forward is a reduce-scatter backward and vice versa
     return InGraphComm(*(tuple(tuple(r) for r in lists)
-                         for lists in (fwd, bwd, a2a, gather, scatter, sp_gathers)))
+                         for lists in (fwd, bwd, a2a, gather, scatter, sp_gathers, regathers)))
 
 
 def all_to_all_time(nbytes: float, group: tuple[int, ...], cluster: ClusterSpec) -> float:
@@ -124,7 +133,8 @@ def with_in_graph_comm(tc: TaskCosts, plan: Plan, traffic: InGraphComm, cluster:
             forward += (seconds(traffic.sequence_scatter, regions, "rs")
                         + seconds(traffic.sequence_gather, regions, "ag"))
             backward += (seconds(traffic.sequence_scatter, regions, "ag")
-                         + seconds(traffic.sequence_gather, regions, "rs"))
+                         + seconds(traffic.sequence_gather, regions, "rs")
+                         + seconds(traffic.sequence_regather, regions, "ag"))
         if tp_overlap:
             forward = overlapped(forward, tc.forward_s[s], contention)
             backward = overlapped(backward, tc.backward_s[s], contention)

@@ -138,7 +138,10 @@ class SequenceEmbedding(nn.Embedding):
     def forward(self, pos: torch.Tensor) -> torch.Tensor:
         y = F.embedding(pos, tp_copy(self.weight, TP_GROUP), self.padding_idx, self.max_norm,
                         self.norm_type, self.scale_grad_by_freq, self.sparse)
-        return y.view(self.tp_degree, -1, *y.shape[1:])[self.sp_rank]
+        # index_select, not [sp_rank]: a tensor index stays a tensor op (no .item()), so
+        # the region also runs on meta tensors, where the memory model measures it
+        share = y.view(self.tp_degree, -1, *y.shape[1:])
+        return share.index_select(0, self.sp_rank.reshape(1)).squeeze(0)
 
 
 class RowwiseLinear(nn.Linear):

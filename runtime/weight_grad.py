@@ -11,8 +11,9 @@ which is why ZeRO-3 may free the gathered parameters right after I.
 
 Handled: `aten.linear` (weight and optional bias), `aten.matmul` / `aten.mm` with a 2-D
 weight on the right, `aten.bmm` with a stacked weight on the right (experts), whenever the
-weight is a parameter input of the stage module. Every other parameter gradient is computed
-by I's walk, as ordinary autograd computes it.
+weight is a parameter input of the stage module, and the linears `runtime.regather` rewrote
+(which keep their input's sequence slice and gather it again in I). Every other parameter
+gradient is computed by I's walk, as ordinary autograd computes it.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import fx
 
+from piper.collectives import sp_gather
 from runtime.zero import storage_key
 
 _local = threading.local()
@@ -125,12 +127,16 @@ def _input_grad(kind: str, dy: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 class _WeightMatmul(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, kind: str, x: torch.Tensor, w: torch.Tensor,
-                b: torch.Tensor | None, wkey: int, bkey: int) -> torch.Tensor:
-        store = getattr(_local, "store", None)
-        if store is not None and storage_key(x) in store.volatile:
+                b: torch.Tensor | None, wkey: int, bkey: int, shard: torch.Tensor | None,
+                group: int, degree: int) -> torch.Tensor:
+        store = getattr(_local, "store", None) if wkey >= 0 else None
+        kept = x if shard is None else shard
+        if store is not None and storage_key(kept) in store.volatile:
             store = None  # x is freed before W could read it
         ctx.kind, ctx.store, ctx.keys = kind, store, (wkey, bkey if b is not None else -1)
-        ctx.save_for_backward(x, w)
+        ctx.gather = (group, degree)
+        ctx.save_for_backward(kept, w)  # with a shard: 1/t of x, gathered again in backward
+        ctx.sharded = shard is not None
         if kind == "linear":
             return F.linear(x, w, b)
         return x.bmm(w) if kind == "bmm" else x.matmul(w)
@@ -138,27 +144,34 @@ class _WeightMatmul(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         x, w = ctx.saved_tensors
-        _, need_x, need_w, need_b, _, _ = ctx.needs_input_grad
+        _, need_x, need_w, need_b, *_ = ctx.needs_input_grad
         dx = _input_grad(ctx.kind, dy, w) if need_x else None
+        if ctx.sharded and (need_w or ctx.store is not None):
+            x = sp_gather(x, *ctx.gather)
         if ctx.store is not None:
             ctx.store.add(ctx.kind, *ctx.keys, x, dy)  # W adds dW (and db) into the grads
-            return None, dx, None, None, None, None
+            return None, dx, None, None, None, None, None, None, None
         dw = _weight_grad(ctx.kind, x, dy) if need_w else None
         db = _bias_grad(dy) if need_b else None
-        return None, dx, dw, db, None, None
+        return None, dx, dw, db, None, None, None, None, None
 
 
 def weight_matmul(kind: str, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
-                  wkey: int, bkey: int) -> torch.Tensor:
+                  wkey: int, bkey: int, shard: torch.Tensor | None = None, group: int = 0,
+                  degree: int = 1) -> torch.Tensor:
     """What a rewritten stage module calls in place of a matmul against a parameter. Under
     autocast its operands are cast as autocast would cast a matmul's (autograd records the
-    casts, so gradients reach fp32 parameters as fp32)."""
+    casts, so gradients reach fp32 parameters as fp32).
+
+    `shard`: x is `sp_gather(shard, group, degree)`, and backward gathers it again rather
+    than keeping it (`runtime.regather`). A negative `wkey`: never deferred to W."""
     dev = x.device.type
-    if torch.is_autocast_enabled(dev):
+    if torch.amp.is_autocast_available(dev) and torch.is_autocast_enabled(dev):
         dt = torch.get_autocast_dtype(dev)
         x, w = x.to(dt), w.to(dt)
         b = None if b is None else b.to(dt)
-    return _WeightMatmul.apply(kind, x, w, b, wkey, bkey)
+        shard = None if shard is None else shard.detach().to(dt)
+    return _WeightMatmul.apply(kind, x, w, b, wkey, bkey, shard, group, degree)
 
 
 def defer_weight_grads(gm: fx.GraphModule, params: set[int]) -> tuple[fx.GraphModule, int]:
@@ -170,11 +183,17 @@ def defer_weight_grads(gm: fx.GraphModule, params: set[int]) -> tuple[fx.GraphMo
     position = {n: i for i, n in enumerate(n for n in graph.nodes if n.op == "placeholder")}
     rewritten = 0
     for n in list(graph.nodes):
-        kind = _OPS.get(n.target) if n.op == "call_function" else None
-        if kind is None or n.kwargs or len(n.args) < 2:
+        if n.op != "call_function" or n.kwargs:
             continue
-        x, w = n.args[0], n.args[1]
-        b = n.args[2] if len(n.args) > 2 else None
+        if n.target is weight_matmul:  # a regathered linear (`runtime.regather`)
+            (kind, x, w, b, wkey), rest = n.args[:5], n.args[6:]
+            if wkey >= 0:
+                continue
+        elif n.target in _OPS and len(n.args) >= 2:
+            kind, x, w, rest = _OPS[n.target], n.args[0], n.args[1], ()
+            b = n.args[2] if len(n.args) > 2 else None
+        else:
+            continue
         wkey = position.get(w, -1) if isinstance(w, fx.Node) else -1
         if wkey not in params or not _shapes_fit(kind, x, w):
             continue
@@ -182,7 +201,7 @@ def defer_weight_grads(gm: fx.GraphModule, params: set[int]) -> tuple[fx.GraphMo
         if b is not None and bkey not in params:
             continue  # a computed bias: leave the whole op to autograd
         n.target = weight_matmul
-        n.args = (kind, x, w, b, wkey, bkey)
+        n.args = (kind, x, w, b, wkey, bkey, *rest)
         rewritten += 1
     graph.lint()
     return fx.GraphModule(gm, graph), rewritten

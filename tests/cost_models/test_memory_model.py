@@ -13,6 +13,7 @@ from cost_models import ModelCosts, model_costs
 from cost_models.memory import activation_bytes, static_bytes, zero_bytes_per_param
 from piper import schedules
 from piper.model_file import load_model_file
+from piper.sharding import ModelSharding
 from runtime.plan import Plan
 from runtime.scheduler import schedule
 from tests.conftest import ROOT
@@ -78,6 +79,25 @@ def test_saved_bytes_on_meta_equal_eager_autograd_on_real_tensors(costs: ModelCo
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         block(x)
     assert costs.activation_bytes[costs.regions.index("layer.0")] == sum(packed.values())
+
+
+@pytest.mark.parametrize(("tp", "sp"), [(1, False), (2, False), (2, True), (4, True)])
+def test_a_layer_keeps_what_korthikanti_counts(tp: int, sp: bool) -> None:
+    """Korthikanti et al. 2022 (2205.05198), eq. 1-4 with flash attention (no s² terms):
+    bytes per layer at 16 bits are s·b·h·(10 + 24/t) with tensor parallelism, 34·s·b·h/t
+    with sequence parallelism too (each linear keeps its input's slice, `runtime.regather`),
+    less the two 1-byte dropout masks this GPT does not have (s·b·h, or s·b·h/t with SP);
+    full recompute keeps the layer's input, 2·s·b·h (/t with SP)."""
+    spec = load_model_file(str(ROOT / "examples" / "gpt.py"), (("size", "mini"),))
+    b, s, h = 2, 64, 256
+    sharding = ModelSharding(tp=tp, tp_plan=spec.tp_plan, sp=sp) if tp > 1 else None
+    c = model_costs(piper.capture(spec, b, sharding))
+    layer = c.regions.index("layer.1")
+    half = 2 / 4  # captured in fp32, counted at 16 bits
+    formula = 32 / tp if sp else 8 + 24 / tp
+    assert c.activation_bytes[layer] * half / (s * b * h) == pytest.approx(formula, rel=0.01)
+    kept = 2 / tp if sp else 2
+    assert c.recompute_bytes[layer] * half / (s * b * h) == pytest.approx(kept, rel=0.01)
 
 
 def test_recompute_keeps_far_less_per_microbatch(make_plan: Callable[..., Plan],

@@ -126,6 +126,8 @@ def test_sequence_parallel_scatters_and_gathers_and_shrinks_what_crosses_stages(
     # each row-parallel one reduce-scatters where g was (wo, w2): the same whole tensors
     assert sp.sequence_gather[layer] == plain.backward_all_reduce[layer] == (act,) * 5
     assert sp.sequence_scatter[layer] == plain.forward_all_reduce[layer] == (act,) * 2
+    # each of those linears keeps its input's slice and gathers it again in backward
+    assert sp.sequence_regather[layer] == (act,) * 5 and not plain.sequence_regather[layer]
     # what is left of the all-reduces: the norms' gradients, a few dozen bytes each
     assert sum(sp.backward_all_reduce[layer]) < act
     # a layer keeps less for backward: its norms and residual adds hold half the tokens

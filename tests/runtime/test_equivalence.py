@@ -68,15 +68,18 @@ CASES = {
                            "--microbatches", "4", "--recompute"],
     "recompute_pp2_dp2_zero3": ["--gpus", "4", "--pp", "2", "--dp", "2", "--zero", "3",
                                 "--microbatches", "2", "--recompute"],
-    "recompute_tp2": ["--gpus", "2", "--tp", "2", "--microbatches", "2", "--recompute"],
+    "recompute_tp2_sp": ["--gpus", "2", "--tp", "2", "--sp", "--microbatches", "2",
+                         "--recompute"],
     # tensor parallelism (examples/gpt.py's TP_PLAN: Megatron column/row pairs)
     # + sequence parallelism: a learned position table split by the sequence
     "tp2_sp_pp2_1f1b": ["--gpus", "4", "--tp", "2", "--sp", "--pp", "2", "--microbatches",
                         "4"],
     "tp2_dp2_zero3": ["--gpus", "4", "--tp", "2", "--dp", "2", "--zero", "3",
                       "--microbatches", "2"],
-    "tp2_pp2_zb1p": ["--gpus", "4", "--tp", "2", "--pp", "2", "--schedule", "zb1p",
-                     "--microbatches", "4"],
+    # with sequence parallelism each linear keeps its input's slice and gathers it again
+    # in backward (`runtime.regather`), also when its weight product is deferred to W
+    "tp2_sp_pp2_zb1p": ["--gpus", "4", "--tp", "2", "--sp", "--pp", "2", "--schedule",
+                        "zb1p", "--microbatches", "4"],
     # expert parallelism (examples/moe.py: top-2 of 4 routed experts per layer)
     "moe_ep2_dp2": ["--gpus", "2", "--dp", "2", "--ep", "2"],
     "moe_ep2_dp4_zero2": ["--gpus", "4", "--dp", "4", "--ep", "2", "--zero", "2"],

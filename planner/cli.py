@@ -17,6 +17,9 @@ from piper.errors import PiperError
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_RUNTIME = 0, 1, 2, 3
 DEFAULT_CLUSTER = "h100-80gb"
+SAMPLERS = ("tpe", "gp", "nsga2", "grid")
+"""Optuna samplers `search --sampler` offers (`planner.samplers` builds them; named here so
+that parsing the command line needs no Optuna)."""
 MAX_GPUS = 2**17  # beyond the largest clusters built; a bound that keeps typos from hanging
 
 
@@ -36,7 +39,6 @@ RAY_ADDRESS_HELP = ("Ray cluster to join: HOST:PORT from one of its nodes, ray:/
 
 def build_parser() -> argparse.ArgumentParser:
     from planner.run_cmd import add_train_flags
-    from planner.samplers import SAMPLERS
     from planner.strategy import add_shorthand_flags
     from runtime.training import PRECISIONS
 
@@ -65,7 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--cluster", help=f"catalog name or TOML file (default {DEFAULT_CLUSTER})")
     s.add_argument("--trials", type=int, default=64, help="trials to add to the study")
     s.add_argument("--timeout", type=float, help="stop asking for trials after S seconds")
-    s.add_argument("--sampler", default="tpe", choices=list(SAMPLERS),
+    s.add_argument("--sampler", default="tpe", choices=SAMPLERS,
                    help="tpe (default), gp, nsga2, or grid: every valid point once")
     s.add_argument("--backend", default="optuna", choices=["optuna", "ray"],
                    help="optuna: trials in this process; ray: trials spread by Ray Tune")

@@ -12,10 +12,10 @@ from typing import TYPE_CHECKING
 
 from piper.model_file import ModelSpec
 from planner.report import predicted_line, results_table, summary_line
-from planner.search import SearchResult, TrialRecord
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # run reads a strategy's prediction here, and must not need Optuna
     from planner.evaluate import Evaluation
+    from planner.records import SearchResult, TrialRecord
 
 
 def strategy_header(spec: ModelSpec, cluster: str, gpus: int, batch_size: int,

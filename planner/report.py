@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from planner.search import TrialRecord
+if TYPE_CHECKING:  # simulate prints with this module and must not need Optuna
+    from planner.records import TrialRecord
 
 GIB = 1024**3
 

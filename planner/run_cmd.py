@@ -1,10 +1,14 @@
-"""`piper-plan run`: train a strategy on Ray workers — data, precision, LR schedule,
+"""`piper-plan run`: train a strategy on real worker processes — data, precision, LR schedule,
 clipping, checkpoints and resume, metrics — and optionally check it against single-device
-training. Kept apart from `planner.cli` (parsing and the small commands) as `search` is."""
+training. Ranks are Ray actors (`--launcher ray`), processes spawned on this machine
+(`local`) or the processes torchrun started (`torchrun`: rank 0 drives, the others serve);
+only the first imports Ray. Kept apart from `planner.cli` (parsing and the small commands)
+as `search` is."""
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Any
 
@@ -14,7 +18,15 @@ from runtime.training import PRECISIONS, SCHEDULES, TrainConfig
 CHECK_RTOL = {"fp32": 1e-4, "bf16-mixed": 2e-2, "bf16": 5e-2}
 
 
+LAUNCHERS = ("ray", "local", "torchrun")
+
+
 def add_train_flags(r: argparse.ArgumentParser) -> None:
+    r.add_argument("--launcher", choices=LAUNCHERS, default="ray",
+                   help="ray: Ray actors, on this machine or a Ray cluster (--address); "
+                        "local: one process per rank on this machine, no Ray; torchrun: "
+                        "this process is one of those `torchrun --nproc-per-node K -m "
+                        "planner.cli run ...` started (docs/training.md)")
     r.add_argument("--steps", type=int, default=3,
                    help="train until this step (a resumed run continues up to it)")
     r.add_argument("--precision", choices=PRECISIONS,
@@ -55,6 +67,30 @@ def train_config(args: argparse.Namespace, device: str) -> TrainConfig:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Under torchrun, ranks other than 0 serve rank 0's calls and print nothing; rank 0
+    checks the input, drives the run, and lets them go however it ends."""
+    torchrun = None
+    if args.launcher == "torchrun":
+        from runtime.process_job import Torchrun, serve
+
+        torchrun = Torchrun.here()
+        if torchrun is None:
+            raise PiperError("--launcher torchrun: no torchrun environment (RANK, WORLD_SIZE, "
+                             "MASTER_ADDR, MASTER_PORT); start it as `torchrun "
+                             "--nproc-per-node K -m planner.cli run ...`")
+        if torchrun.rank != 0:
+            serve(torchrun.store, torchrun.rank, torchrun.world, ip=torchrun.node_ip(),
+                  gpu=torchrun.local_rank,
+                  threads=max(1, (os.cpu_count() or 1) // torchrun.local_world))
+            return 0
+    try:
+        return _drive(args, torchrun)
+    finally:
+        if torchrun is not None:
+            torchrun.release()
+
+
+def _drive(args: argparse.Namespace, torchrun: Any) -> int:
     from cost_models import CATALOG
     from planner.cli import (
         EXIT_FAILED,
@@ -75,7 +111,7 @@ def run(args: argparse.Namespace) -> int:
     from planner.report import summary_line
     from planner.trace import write_trace
     from runtime.data import BatchSource
-    from runtime.launcher import Job, RuntimeFailure, check_workers, describe_nodes
+    from runtime.jobs import RuntimeFailure, describe_nodes
     from runtime.lowering import lower
     from runtime.reference import max_rel_diff, reference_run
 
@@ -88,7 +124,7 @@ def run(args: argparse.Namespace) -> int:
         flag = "--resume" if args.resume else "--checkpoint-every"
         raise PiperError(f"{flag} needs --checkpoint-dir")
     device = _device(args)
-    check_workers(args.gpus, device, args.address)
+    _check_launch(args, device, torchrun)
     train = train_config(args, device)
     batch = _batch(args, spec)
     BatchSource(spec, batch, args.seed, train.data, train.data_dtype)  # bad data: exit 2 now
@@ -114,10 +150,7 @@ def run(args: argparse.Namespace) -> int:
     metrics = MetricsLog(args.log_dir, args.gpus) if args.log_dir else None
     predicted = predicted_of(args.strategy) if args.strategy else None
     try:
-        with Job(spec, plan, batch_size=batch, seed=args.seed, device=device,
-                 address=args.address, timeout_s=args.timeout, train=train, done=done,
-                 per_node=args.gpus_per_node,
-                 shared=(args.checkpoint_dir,) if args.checkpoint_dir else ()) as job:
+        with _job(args, spec, plan, batch, device, train, done, torchrun) as job:
             if len(set(job.nodes)) > 1:
                 log(f"ranks on {len(set(job.nodes))} nodes: {describe_nodes(job.nodes)}")
             if folder is not None:
@@ -169,6 +202,42 @@ def run(args: argparse.Namespace) -> int:
               f"{out['check']['max_rel_diff']:.2e} against single-device training, "
               f"rtol {CHECK_RTOL[train.precision]:g})")
     return EXIT_OK if passed else EXIT_FAILED
+
+
+def _check_launch(args: argparse.Namespace, device: str, torchrun: Any) -> None:
+    """Refuse ranks the launcher cannot start, before anything is built."""
+    if args.launcher == "ray":
+        from runtime.launcher import check_workers
+
+        check_workers(args.gpus, device, args.address)
+        return
+    if args.address:
+        raise PiperError(f"--address joins a Ray cluster; --launcher {args.launcher} runs "
+                         "without Ray")
+    if torchrun is not None:
+        if torchrun.world != args.gpus:
+            raise PiperError(f"--gpus {args.gpus}, but torchrun started {torchrun.world} "
+                             "processes (--nnodes x --nproc-per-node must equal --gpus)")
+        return
+    from runtime.jobs import check_machine
+
+    check_machine(args.gpus, device, "--launcher ray --address joins a cluster with more")
+
+
+def _job(args: argparse.Namespace, spec: Any, plan: Any, batch: int, device: str,
+         train: TrainConfig, done: int, torchrun: Any) -> Any:
+    """The launcher's job (`runtime.jobs.Driver`): the same steps whatever started the ranks."""
+    if args.launcher == "ray":
+        from runtime.launcher import Job
+
+        return Job(spec, plan, batch_size=batch, seed=args.seed, device=device,
+                   address=args.address, timeout_s=args.timeout, train=train, done=done,
+                   per_node=args.gpus_per_node,
+                   shared=(args.checkpoint_dir,) if args.checkpoint_dir else ())
+    from runtime.process_job import ProcessJob
+
+    return ProcessJob(spec, plan, batch_size=batch, seed=args.seed, device=device,
+                      timeout_s=args.timeout, train=train, done=done, torchrun=torchrun)
 
 
 def _resume_point(args: argparse.Namespace, spec: Any, batch: int) -> tuple[int, Any]:

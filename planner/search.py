@@ -36,10 +36,10 @@ from planner.records import (
     open_study,
     result_of,
 )
-from planner.samplers import SAMPLERS, PointsSampler, make_sampler
+from planner.samplers import PointsSampler, make_sampler
 from search_spaces import Infeasible, SearchSpace
 
-__all__ = ["OBJECTIVES", "SAMPLERS", "SearchResult", "TrialRecord", "run_search", "score"]
+__all__ = ["OBJECTIVES", "SearchResult", "TrialRecord", "run_search", "score"]
 
 HEARTBEAT_S = 10  # a RUNNING trial silent for twice this long was killed: it is marked failed
 GIB = 1024**3

@@ -9,13 +9,9 @@ so a rank or node lost is named with its task."""
 from __future__ import annotations
 
 import os
-import re
-import shutil
-import socket
 import time
 import uuid
-from dataclasses import dataclass
-from typing import Any, Self
+from typing import Any
 
 import ray
 from ray.exceptions import RayActorError, RayError
@@ -24,42 +20,40 @@ from piper.errors import PiperError
 from piper.model_file import ModelSpec
 from runtime import progress
 from runtime.cluster import cluster_address, connect, disconnect, remote_source
-from runtime.dryrun import Span
+from runtime.jobs import (
+    DEADLINE_SLACK_S,
+    GRACE_S,
+    SETUP_MIN_S,
+    Driver,
+    RunResult,
+    RuntimeFailure,
+    StepResult,
+    check_machine,
+    describe_nodes,
+    free_port,
+    ranks_text,
+    reason,
+)
 from runtime.placement import Placement, default_per_node, place, rank_resources
 from runtime.plan import Plan
 from runtime.progress import Progress
 from runtime.training import TrainConfig
-from runtime.worker import RemoteWorker
+from runtime.worker import Worker
+
+__all__ = ["Job", "RunResult", "RuntimeFailure", "StepResult", "check_workers",
+           "describe_nodes", "run"]
 
 POLL_S = 1.0  # the driver looks up from waiting this often (Ctrl-C, deadlines)
-GRACE_S = 3.0  # after a first failure, how long the others get to fail too (root cause first)
-DEADLINE_SLACK_S = 10.0  # the driver outwaits the process groups' timeout by this much
-SETUP_MIN_S = 300.0  # starting worker processes and capturing a big model takes a while
-CPU_WORKER_BYTES = 512 * 2**20  # a CPU worker process: torch, Ray, a small model
 
 
-class RuntimeFailure(Exception):
-    """A worker died or timed out (exit code 3); the message names the rank."""
+class _RayWorker(Worker):
+    """A Worker in a Ray actor: its node's address as Ray knows it."""
+
+    def __init__(self, *args: object, **kw: object) -> None:
+        super().__init__(*args, ip=ray.util.get_node_ip_address(), **kw)  # type: ignore[arg-type]
 
 
-@dataclass(frozen=True)
-class StepResult:
-    step: int
-    loss: float
-    time_s: float  # the slowest rank's
-    grad_norm: float = float("nan")  # of the whole model's gradient, before clipping
-    lr: float = float("nan")
-    peak_memory_bytes: tuple[int, ...] = ()  # per rank, so far
-
-
-@dataclass(frozen=True)
-class RunResult:
-    steps: tuple[StepResult, ...]
-    peak_memory_bytes: tuple[int, ...]
-    plan: Plan
-    spans: tuple[Span, ...] = ()  # the last step's measured timeline
-    model_state_bytes: tuple[int, ...] = ()  # per rank: peak params + grads + optimizer state
-    nodes: tuple[str, ...] = ()  # per rank: the IP address of the node it ran on
+RemoteWorker = ray.remote(_RayWorker)
 
 
 def check_workers(world: int, device: str, address: str | None) -> None:
@@ -67,21 +61,7 @@ def check_workers(world: int, device: str, address: str | None) -> None:
     otherwise leave the extra workers pending (a hang) or start them until memory runs out."""
     if cluster_address(address):
         return  # a cluster's capacity is checked once joined (`_check_cluster`)
-    if device == "cuda":
-        import torch
-
-        have = torch.cuda.device_count()
-        if world > have:
-            raise PiperError(f"--gpus {world} needs {world} GPUs; this machine has {have} "
-                             "(--address joins a Ray cluster with more)")
-        return
-    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    most = max(2, ram // CPU_WORKER_BYTES)
-    if world > most:
-        raise PiperError(f"--gpus {world} on --device cpu starts {world} worker processes of "
-                         f"about {CPU_WORKER_BYTES / 2**30:.1f} GiB each; this machine's "
-                         f"{ram / 2**30:.0f} GiB holds at most {most} (--address joins a "
-                         "Ray cluster with more)")
+    check_machine(world, device, "--address joins a Ray cluster with more")
 
 
 def _check_cluster(world: int, device: str) -> None:
@@ -91,22 +71,7 @@ def _check_cluster(world: int, device: str) -> None:
             raise PiperError(f"--gpus {world} needs {world} GPUs; the Ray cluster has {have}")
 
 
-def describe_nodes(nodes: tuple[str, ...]) -> str:
-    """'ranks 0-1 on 10.0.0.2, ranks 2-3 on 10.0.0.3' (runs of consecutive ranks)."""
-    out: list[str] = []
-    start = 0
-    for r in range(1, len(nodes) + 1):
-        if r == len(nodes) or nodes[r] != nodes[start]:
-            ranks = f"rank {start}" if r - start == 1 else f"ranks {start}-{r - 1}"
-            out.append(f"{ranks} on {nodes[start]}")
-            start = r
-    return ", ".join(out)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+_free_port = free_port  # older callers' name
 
 
 def run(spec: ModelSpec, plan: Plan, *, batch_size: int, steps: int, seed: int,
@@ -127,7 +92,7 @@ def run(spec: ModelSpec, plan: Plan, *, batch_size: int, steps: int, seed: int,
         return job.finish()
 
 
-class Job:
+class Job(Driver):
     """One rank per Ray actor, set up and holding the plan's state between steps, so a
     caller steps when it likes (`run` steps straight through; a benchmark interleaves the
     steps of two systems). Closing kills the workers and frees their placement, and shuts
@@ -148,9 +113,7 @@ class Job:
         self.started = False
         world = plan.world_size
         self.actors: list = []
-        self.results: list[StepResult] = []
-        self.peaks = [0] * world
-        self.outs: list = []
+        self._start_steps()
         self.nodes: tuple[str, ...] = ()
         self.placement: Placement | None = None
         self.board = None
@@ -211,53 +174,12 @@ class Job:
             for what, path in needs.items():
                 if path in gone:
                     ranks = [r for r, n in enumerate(self.nodes) if n == node]
-                    raise PiperError(f"{what} ({path}) is not on node {node} ({_ranks(ranks)}"
+                    raise PiperError(f"{what} ({path}) is not on node {node} ({ranks_text(ranks)}"
                                      "): put it on storage every node mounts at the same "
                                      "path")
 
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def step(self) -> StepResult:
-        """One training step on every rank: the loss summed over the output stage's ranks,
-        and the slowest rank's time."""
-        k = len(self.results) + self.done
-        self.outs = self.wait([a.step.remote() for a in self.actors], f"step {k}")
-        loss = sum(o.loss_sum for o in self.outs if o.loss_sum is not None)
-        lrs = [o.lr for o in self.outs if o.lr == o.lr]  # a rank without parameters: nan
-        self.results.append(StepResult(
-            k, loss, max(o.time_s for o in self.outs), self.outs[0].grad_norm,
-            lrs[0] if lrs else float("nan"), tuple(o.peak_memory_bytes for o in self.outs)))
-        self.peaks = [max(p, o.peak_memory_bytes) for p, o in zip(self.peaks, self.outs)]
-        return self.results[-1]
-
-    def save(self, root: str, info: dict[str, Any]) -> str:
-        """A checkpoint of the steps so far under `root` (`runtime.checkpoint`): every rank
-        writes its part into a temporary folder, which becomes the latest checkpoint only
-        once all have finished."""
-        from runtime.checkpoint import commit, step_folder
-
-        step = len(self.results) + self.done
-        tmp = step_folder(root, step, tmp=True)
-        shutil.rmtree(tmp, ignore_errors=True)  # left by a run killed while saving
-        self.wait([a.save.remote(str(tmp)) for a in self.actors], f"saving step {step}")
-        return str(commit(root, step, info))
-
-    def restore(self, folder: str) -> None:
-        """Every rank's state from a checkpoint (of any strategy)."""
-        self.wait([a.load.remote(folder) for a in self.actors], "loading the checkpoint")
-
-    def finish(self) -> RunResult:
-        """Shut the ranks down in order and report every step so far, with the last step's
-        timeline."""
-        self.wait([a.shutdown.remote() for a in self.actors], "shutdown")
-        spans = tuple(Span(r, stream, t, a, b) for r, o in enumerate(self.outs)
-                      for stream, t, a, b in o.spans)
-        return RunResult(tuple(self.results), tuple(self.peaks), self.plan, spans,
-                         tuple(o.model_state_bytes for o in self.outs), self.nodes)
+    def call_all(self, method: str, what: str, *args: object) -> list:
+        return self.wait([getattr(a, method).remote(*args) for a in self.actors], what)
 
     def reports(self) -> dict[int, Progress]:
         """What each rank last said it was doing (empty if the board cannot be read)."""
@@ -297,7 +219,7 @@ class _Waiter:
             left = end - time.monotonic()
             if left <= 0:
                 ranks = sorted(rank_of[ref] for ref in pending)
-                raise RuntimeFailure(f"{_ranks(ranks)} did not finish {what} within "
+                raise RuntimeFailure(f"{ranks_text(ranks)} did not finish {what} within "
                                      f"{self.deadline_s:.0f}s: "
                                      + self._where_all(ranks, what, self.job.reports()))
             # short waits, so Ctrl-C is seen promptly while nothing happens
@@ -373,7 +295,7 @@ class _Waiter:
     def _describe_lost(self, node: str, ranks: list[int], reports: dict[int, Progress],
                        what: str) -> str:
         where = self._where_all(ranks, what, reports)
-        return f"node {node} was lost ({_ranks(ranks)}): {where}"
+        return f"node {node} was lost ({ranks_text(ranks)}): {where}"
 
     def _describe(self, rank: int, err: RayError, what: str,
                   reports: dict[int, Progress]) -> str:
@@ -393,16 +315,6 @@ class _Waiter:
 
 
 def _reason(err: RayError) -> str:
-    """`Type: message`, the message's last line cut to its first sentence (gloo appends
-    advice and a source location to every error)."""
     if isinstance(err, RayActorError):
         return "died"
-    cause = getattr(err, "cause", None) or err
-    lines = str(cause).strip().splitlines()
-    msg = re.sub(r"^\[[^\]]*\]\s*", "", lines[-1].strip() if lines else "")
-    msg = msg.split(". ")[0].rstrip(".")
-    return f"{type(cause).__name__}: {msg}" if msg else type(cause).__name__
-
-
-def _ranks(ranks: list[int]) -> str:
-    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
+    return reason(getattr(err, "cause", None) or err)

@@ -16,8 +16,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import ray
-
 PUSH_S = 0.1  # a report is at most this old
 HEARTBEAT_S = 1.0  # an idle rank still reports this often
 SILENT_S = 5.0  # a rank not heard from for this long is gone (its process, or its node)
@@ -63,22 +61,22 @@ class ProgressBoard:
                 for r, (pid, phase, tasks, node, t) in self.reports.items()}
 
 
-RemoteBoard = ray.remote(num_cpus=0)(ProgressBoard)
-
-
 def board(name: str | None = None) -> Any:
     """A board on the driver's node (a node lost takes its own ranks, not their reports)."""
+    import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     here = ray.get_runtime_context().get_node_id()
     opts: dict[str, Any] = {"name": name} if name else {}
     if here:
         opts["scheduling_strategy"] = NodeAffinitySchedulingStrategy(here, soft=True)
-    return RemoteBoard.options(**opts).remote()
+    return ray.remote(num_cpus=0)(ProgressBoard).options(**opts).remote()
 
 
 def read(board: Any, timeout_s: float = 5.0) -> dict[int, Progress]:
     """The board's reports, or none if it cannot be read in time."""
+    import ray
+
     try:
         return ray.get(board.read.remote(), timeout=timeout_s)
     except Exception:  # noqa: BLE001 - a report is a nicety of an error message
@@ -86,7 +84,8 @@ def read(board: Any, timeout_s: float = 5.0) -> dict[int, Progress]:
 
 
 class Reporter:
-    """Worker side: `phase("step 3")`, then `task("compute", "F1.2")` before each task."""
+    """Worker side: `phase("step 3")`, then `task("compute", "F1.2")` before each task.
+    Without a board (no Ray: `runtime.process_job`) it keeps them for `now` alone."""
 
     def __init__(self, board: Any, rank: int, node: str) -> None:
         self.board, self.rank, self.node = board, rank, node
@@ -95,7 +94,8 @@ class Reporter:
         self.what = "started"
         self.version = 0
         self.closed = threading.Event()
-        threading.Thread(target=self._push, daemon=True, name="piper-progress").start()
+        if board is not None:
+            threading.Thread(target=self._push, daemon=True, name="piper-progress").start()
 
     def phase(self, what: str) -> None:
         """A new phase ("setup", "step 3", "after step 3"): the streams' tasks are cleared."""
@@ -106,6 +106,9 @@ class Reporter:
     def task(self, stream: str, name: str) -> None:
         self.tasks[stream] = name  # atomic under the GIL, from any stream's thread
         self.version += 1
+
+    def now(self) -> Progress:
+        return Progress(self.pid, self.what, self.tasks.copy(), self.node)
 
     def close(self) -> None:
         self.closed.set()

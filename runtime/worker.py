@@ -1,4 +1,7 @@
-"""The Ray actor that hosts one rank: joins the process groups, builds its stages, runs steps."""
+"""One rank in its own process: joins the process groups, builds its stages, runs steps.
+
+Hosted by a Ray actor (`runtime.launcher`) or by a process of its own, spawned here or by
+torchrun (`runtime.process_job`); nothing here needs Ray."""
 
 from __future__ import annotations
 
@@ -7,7 +10,6 @@ import datetime
 import os
 from typing import Any
 
-import ray
 import torch
 import torch.distributed as dist
 
@@ -27,21 +29,22 @@ class Worker:
     per node), listen (rank 0), setup, step*, shutdown."""
 
     def __init__(self, rank: int, world: int, model: tuple, device: str, threads: int,
-                 board: Any = None) -> None:
+                 board: Any = None, ip: str = "127.0.0.1", gpu: int = 0) -> None:
+        """`board`: a Ray progress board (`runtime.progress`), or None; `ip`: this node's
+        address; `gpu`: the CUDA device index this rank uses."""
         self.rank, self.world = rank, world
         self.model = model  # `ModelSpec.source`, as `runtime.cluster.remote_source` names it
         self.device_type = device
         torch.set_num_threads(threads)
         with contextlib.suppress(OSError):  # a cluster started elsewhere: at its niceness
             os.setpriority(os.PRIO_PROCESS, 0, 0)  # (lowering it needs the privilege)
-        self.ip = ray.util.get_node_ip_address()
-        self.store: dist.TCPStore | None = None
+        self.ip, self.gpu = ip, gpu
+        self.store: dist.Store | None = None  # the rendezvous, if this rank was given one
         self.ex: RankExecutor | None = None
         self.steps = 0
         # what this rank is doing, for the driver to name if the process dies (see progress)
-        self.progress = Reporter(board, rank, self.ip) if board is not None else None
-        if self.progress:
-            self.progress.phase("setup")
+        self.progress = Reporter(board, rank, self.ip)
+        self.progress.phase("setup")
 
     def node(self) -> str:
         """The IP address of this rank's node."""
@@ -71,15 +74,15 @@ class Worker:
               train: TrainConfig | None = None, done: int = 0,
               master: tuple[str, int] = ("127.0.0.1", 0)) -> int:
         if self.device_type == "cuda":
-            device = torch.device("cuda", 0)  # Ray sets CUDA_VISIBLE_DEVICES to our GPU
+            device = torch.device("cuda", self.gpu)  # under Ray 0: it sets CUDA_VISIBLE_DEVICES
             torch.cuda.set_device(device)
             backend = "nccl"
         else:
             device, backend = torch.device("cpu"), "gloo"
             use_interface_of(self.ip)
         timeout = datetime.timedelta(seconds=timeout_s)
-        store = self.store or dist.TCPStore(master[0], master[1], self.world, is_master=False,
-                                            timeout=timeout)
+        store = self.store if self.store is not None else dist.TCPStore(
+            master[0], master[1], self.world, is_master=False, timeout=timeout)
         dist.init_process_group(backend, store=store, rank=self.rank, world_size=self.world,
                                 timeout=timeout)
         mesh = plan.mesh
@@ -103,32 +106,27 @@ class Worker:
 
     def step(self) -> StepOutcome:
         assert self.ex is not None, "setup() first"
-        if self.progress:
-            self.progress.phase(f"step {self.steps}")
-            self.ex.report = self.progress.task
+        self.progress.phase(f"step {self.steps}")
+        self.ex.report = self.progress.task
         out = self.ex.step()
-        if self.progress:
-            self.progress.phase(f"after step {self.steps}")
+        self.progress.phase(f"after step {self.steps}")
         self.steps += 1
         return out
 
     def save(self, folder: str) -> None:
         assert self.ex is not None, "setup() first"
-        if self.progress:
-            self.progress.phase(f"saving a checkpoint after step {self.steps - 1}")
+        self.progress.phase(f"saving a checkpoint after step {self.steps - 1}")
         self.ex.save(folder)
 
     def load(self, folder: str) -> None:
         assert self.ex is not None, "setup() first"
-        if self.progress:
-            self.progress.phase(f"loading checkpoint {folder}")
+        self.progress.phase(f"loading checkpoint {folder}")
         self.ex.load(folder)
 
     def shutdown(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
-        if self.progress:
-            self.progress.close()
+        self.progress.close()
 
 
 def use_interface_of(ip: str) -> None:
@@ -137,7 +135,10 @@ def use_interface_of(ip: str) -> None:
     interface that holds the node's own address (unless the user named one)."""
     if os.environ.get("GLOO_SOCKET_IFNAME"):
         return
-    import psutil
+    try:
+        import psutil  # Ray brings it; a machine without Ray may not have it
+    except ImportError:
+        return
 
     for name, addrs in psutil.net_if_addrs().items():
         if any(a.address == ip for a in addrs):
@@ -163,5 +164,3 @@ def process_groups(plan: Plan, timeout: datetime.timedelta | None = None,
                        for g in mesh.in_graph_groups()})
     return groups
 
-
-RemoteWorker = ray.remote(Worker)

@@ -74,8 +74,8 @@ def in_graph_comm(captured: Captured) -> InGraphComm:
             val = node.args[0].meta["val"]
         region, nbytes = captured.node_region[node.name], val.numel() * val.element_size()
         into[name][region].append(nbytes)
-        if is_sequence_gather(node):
-            regathers[region].extend([nbytes] * len(regathering_users(node)))
+        if is_sequence_gather(node) and regathering_users(node):  # one for its linears
+            regathers[region].append(nbytes)
     # sequence parallelism: a gather forward is a reduce-scatter backward and vice versa
     return InGraphComm(*(tuple(tuple(r) for r in lists)
                          for lists in (fwd, bwd, a2a, gather, scatter, sp_gathers, regathers)))

@@ -33,6 +33,7 @@ TorchTitan's models do.
 from __future__ import annotations
 
 import fnmatch
+import weakref
 from collections.abc import Iterable
 
 import torch
@@ -87,12 +88,21 @@ def check_divisible(weight_shape: tuple[int, ...], style: str, parts: int, degre
     return None
 
 
+_last_entry: tuple[weakref.ref, torch.Tensor, bool, int] | None = None
+
+
 def _enter(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """Into a column-parallel layer: f, or with sequence parallelism the gather of the
-    sequence (dim 1) whose gradient is reduce-scattered back."""
-    if m.sequence_parallel:
-        return sp_gather(x, TP_GROUP, m.tp_degree)
-    return tp_copy(x, TP_GROUP)
+    sequence (dim 1) whose gradient is reduce-scattered back. Layers reading one input (q, k
+    and v; SwiGLU's gate and up) share one f or gather, whose backward then all-reduces
+    (reduce-scatters) their summed gradient once, as Megatron's fused QKV and FC1 do."""
+    global _last_entry
+    key = (m.sequence_parallel, m.tp_degree)
+    if _last_entry is not None and _last_entry[0]() is x and _last_entry[2:] == key:
+        return _last_entry[1]
+    y = sp_gather(x, TP_GROUP, m.tp_degree) if m.sequence_parallel else tp_copy(x, TP_GROUP)
+    _last_entry = (weakref.ref(x), y, *key)  # y held until the next layer enters
+    return y
 
 
 def _leave(m: nn.Module, y: torch.Tensor) -> torch.Tensor:

@@ -7,8 +7,9 @@ largest activation of a transformer layer at high tp. Megatron-LM instead saves 
 and all-gathers it again in backward (Korthikanti et al. 2022, "Reducing Activation
 Recomputation in Large Transformer Models", sec. 4.2.2), which is what its activation
 formula (34·s·b·h/t bytes per layer) assumes. `regather_sequence` rewrites a stage module
-so: each linear reading a gathered input becomes `weight_matmul` with the slice as `shard`.
-The input gradient still flows through the gather's own backward (a reduce-scatter).
+so: each linear reading a gathered input becomes `weight_matmul` with the slice as `shard`;
+linears sharing one gather (q, k, v) share one re-gather (`weight_grad.Regather`). The
+input gradient still flows through the gather's own backward (a reduce-scatter).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from runtime.weight_grad import weight_matmul
+from runtime.weight_grad import regather, weight_matmul
 
 _LINEAR = torch.ops.aten.linear.default
 
@@ -39,11 +40,16 @@ def regather_sequence(gm: fx.GraphModule) -> int:
     for n in list(gm.graph.nodes):
         if not is_sequence_gather(n):
             continue
+        users = regathering_users(n)
+        if not users:
+            continue
         shard, group, degree = n.args[:3]
-        for u in regathering_users(n):
+        with gm.graph.inserting_after(n):
+            again = gm.graph.call_function(regather, (group, degree, len(users)))
+        for u in users:
             b = u.args[2] if len(u.args) > 2 else None
             u.target = weight_matmul
-            u.args = ("linear", n, u.args[1], b, -1, -1, shard, group, degree)
+            u.args = ("linear", n, u.args[1], b, -1, -1, shard, again)
             rewritten += 1
     if rewritten:
         gm.recompile()

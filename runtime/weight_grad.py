@@ -124,19 +124,45 @@ def _input_grad(kind: str, dy: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return dy.matmul(w.t())
 
 
+class Regather:
+    """A sequence slice that the linears reading its gather (q, k and v) keep once and gather
+    once again in backward: the first to ask gathers, the last to ask lets it go. Under
+    autocast they also share the slice's cast (one low-precision copy kept, not one each)."""
+
+    def __init__(self, group: int, degree: int, users: int) -> None:
+        self.group, self.degree, self.left = group, degree, users
+        self.kept: tuple[torch.Tensor, torch.Tensor] | None = None  # (slice, its cast)
+        self.full: torch.Tensor | None = None
+
+    def cast(self, shard: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        if self.kept is None or self.kept[0] is not shard or self.kept[1].dtype != dtype:
+            self.kept = (shard, shard.detach().to(dtype))
+        return self.kept[1]
+
+    def gathered(self, shard: torch.Tensor) -> torch.Tensor:
+        full = self.full if self.full is not None else sp_gather(shard, self.group, self.degree)
+        self.left -= 1
+        self.full = full if self.left > 0 else None
+        return full
+
+
+def regather(group: int, degree: int, users: int) -> Regather:
+    """What a rewritten stage module calls once per forward for a shared gather."""
+    return Regather(group, degree, users)
+
+
 class _WeightMatmul(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, kind: str, x: torch.Tensor, w: torch.Tensor,
                 b: torch.Tensor | None, wkey: int, bkey: int, shard: torch.Tensor | None,
-                group: int, degree: int) -> torch.Tensor:
+                again: Regather | None) -> torch.Tensor:
         store = getattr(_local, "store", None) if wkey >= 0 else None
         kept = x if shard is None else shard
         if store is not None and storage_key(kept) in store.volatile:
             store = None  # x is freed before W could read it
         ctx.kind, ctx.store, ctx.keys = kind, store, (wkey, bkey if b is not None else -1)
-        ctx.gather = (group, degree)
+        ctx.again = again
         ctx.save_for_backward(kept, w)  # with a shard: 1/t of x, gathered again in backward
-        ctx.sharded = shard is not None
         if kind == "linear":
             return F.linear(x, w, b)
         return x.bmm(w) if kind == "bmm" else x.matmul(w)
@@ -146,32 +172,33 @@ class _WeightMatmul(torch.autograd.Function):
         x, w = ctx.saved_tensors
         _, need_x, need_w, need_b, *_ = ctx.needs_input_grad
         dx = _input_grad(ctx.kind, dy, w) if need_x else None
-        if ctx.sharded and (need_w or ctx.store is not None):
-            x = sp_gather(x, *ctx.gather)
+        if ctx.again is not None and (need_w or ctx.store is not None):
+            x = ctx.again.gathered(x)
         if ctx.store is not None:
             ctx.store.add(ctx.kind, *ctx.keys, x, dy)  # W adds dW (and db) into the grads
-            return None, dx, None, None, None, None, None, None, None
+            return None, dx, None, None, None, None, None, None
         dw = _weight_grad(ctx.kind, x, dy) if need_w else None
         db = _bias_grad(dy) if need_b else None
-        return None, dx, dw, db, None, None, None, None, None
+        return None, dx, dw, db, None, None, None, None
 
 
 def weight_matmul(kind: str, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
-                  wkey: int, bkey: int, shard: torch.Tensor | None = None, group: int = 0,
-                  degree: int = 1) -> torch.Tensor:
+                  wkey: int, bkey: int, shard: torch.Tensor | None = None,
+                  again: Regather | None = None) -> torch.Tensor:
     """What a rewritten stage module calls in place of a matmul against a parameter. Under
     autocast its operands are cast as autocast would cast a matmul's (autograd records the
     casts, so gradients reach fp32 parameters as fp32).
 
-    `shard`: x is `sp_gather(shard, group, degree)`, and backward gathers it again rather
-    than keeping it (`runtime.regather`). A negative `wkey`: never deferred to W."""
+    `shard`: x is the sequence gather of `shard`, which backward gathers again (`again`)
+    rather than keeping x (`runtime.regather`). A negative `wkey`: never deferred to W."""
     dev = x.device.type
     if torch.amp.is_autocast_available(dev) and torch.is_autocast_enabled(dev):
         dt = torch.get_autocast_dtype(dev)
         x, w = x.to(dt), w.to(dt)
         b = None if b is None else b.to(dt)
-        shard = None if shard is None else shard.detach().to(dt)
-    return _WeightMatmul.apply(kind, x, w, b, wkey, bkey, shard, group, degree)
+        if shard is not None and again is not None:
+            shard = again.cast(shard, dt)
+    return _WeightMatmul.apply(kind, x, w, b, wkey, bkey, shard, again)
 
 
 def defer_weight_grads(gm: fx.GraphModule, params: set[int]) -> tuple[fx.GraphModule, int]:

@@ -122,12 +122,13 @@ def test_sequence_parallel_scatters_and_gathers_and_shrinks_what_crosses_stages(
     sp = in_graph_comm(cap)
     layer = cap.graph.names.index("layer.1")
     act = 16 * 32 * 4  # one sample: seq 16 x dim 32 fp32, whole
-    # each column-parallel layer gathers the sequence where f was (wq, wk, wv, w1, w3) and
-    # each row-parallel one reduce-scatters where g was (wo, w2): the same whole tensors
-    assert sp.sequence_gather[layer] == plain.backward_all_reduce[layer] == (act,) * 5
+    # the column-parallel layers gather the sequence where f was, once per input they share
+    # (wq, wk, wv; w1, w3: Megatron's fused QKV and FC1) and each row-parallel one
+    # reduce-scatters where g was (wo, w2): the same whole tensors
+    assert sp.sequence_gather[layer] == plain.backward_all_reduce[layer] == (act,) * 2
     assert sp.sequence_scatter[layer] == plain.forward_all_reduce[layer] == (act,) * 2
-    # each of those linears keeps its input's slice and gathers it again in backward
-    assert sp.sequence_regather[layer] == (act,) * 5 and not plain.sequence_regather[layer]
+    # those linears keep their input's slice and gather it again in backward, once a share
+    assert sp.sequence_regather[layer] == (act,) * 2 and not plain.sequence_regather[layer]
     # what is left of the all-reduces: the norms' gradients, a few dozen bytes each
     assert sum(sp.backward_all_reduce[layer]) < act
     # a layer keeps less for backward: its norms and residual adds hold half the tokens

@@ -20,6 +20,10 @@ DEFAULT_CLUSTER = "h100-80gb"
 SAMPLERS = ("tpe", "gp", "nsga2", "grid")
 """Optuna samplers `search --sampler` offers (`planner.samplers` builds them; named here so
 that parsing the command line needs no Optuna)."""
+OPTIONAL = {"ray": "pip install 'ray[tune]'; `simulate`, `profile` and `run --launcher local` "
+                   "or `--launcher torchrun` run without it",
+            "optuna": "pip install optuna; `simulate` and `run` run without it"}
+"""Packages only some commands need, and what to say when one is missing."""
 MAX_GPUS = 2**17  # beyond the largest clusters built; a bound that keeps typos from hanging
 
 
@@ -154,6 +158,11 @@ def main(argv: list[str] | None = None) -> int:
         print("error: interrupted", file=sys.stderr)
         return 130
     except Exception as e:  # a bug of ours: still one line, with the way to see more
+        missing = (getattr(e, "name", None) or "").split(".")[0]
+        if isinstance(e, ImportError) and missing in OPTIONAL:
+            print(f"error: {getattr(args, 'command', 'this command')} needs {missing}, which "
+                  f"this Python does not have ({OPTIONAL[missing]})", file=sys.stderr)
+            return EXIT_BAD_INPUT
         if os.environ.get("PIPER_DEBUG"):
             raise
         print(f"error: internal error: {type(e).__name__}: {' '.join(str(e).split())} "

@@ -1,0 +1,152 @@
+"""Runs without Ray: `run --launcher local` (processes spawned here) and `--launcher
+torchrun` (the real torchrun starting the processes) train like single-device PyTorch, resume
+checkpoints written under Ray, report a rank that dies, and need neither Ray nor Optuna."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from planner.cli import main
+from tests.conftest import GPT, ROOT, TINY
+
+TRAIN = ["--clip-grad", "0.05", "--lr-schedule", "cosine", "--warmup", "2"]
+STRATEGIES = {
+    "pp2": ["--gpus", "2", "--pp", "2", "--microbatches", "4", "--schedule", "1f1b"],
+    "dp2_zero3": ["--gpus", "2", "--dp", "2", "--zero", "3", "--microbatches", "2"],
+    "tp2": ["--gpus", "2", "--tp", "2", "--microbatches", "2"],
+}
+# a Python where importing ray or optuna fails, as on a machine that has neither (its
+# spawned processes too: sitecustomize runs in every interpreter that PYTHONPATH reaches)
+NO_RAY = """import importlib.abc, sys
+class _Gone(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name.split(".")[0] in ("ray", "optuna"):
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+sys.meta_path.insert(0, _Gone())
+"""
+
+
+def without_ray(tmp_path: Path) -> dict[str, str]:
+    site = tmp_path / "site"
+    site.mkdir(exist_ok=True)
+    (site / "sitecustomize.py").write_text(NO_RAY)
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), str(ROOT)])}
+
+
+def torchrun(argv: list[str], env: dict[str, str] | None = None,
+             nproc: int = 2) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc-per-node={nproc}", "-m", "planner.cli", *argv]
+    return subprocess.run(cmd, check=False, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+
+
+def last_json(stdout: str) -> dict:
+    lines = stdout.strip().splitlines()
+    assert lines, "no output"
+    return json.loads(lines[-1])
+
+
+@pytest.mark.parametrize("case", sorted(STRATEGIES))
+def test_local_launcher_trains_like_one_device(capsys, case):
+    rc = main(["run", GPT, *TINY, *STRATEGIES[case], *TRAIN, "--steps", "3",
+               "--launcher", "local", "--check", "--json"])
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert rc == 0 and out["check"]["passed"], out.get("check")
+    assert [s["step"] for s in out["steps"]] == [0, 1, 2]
+
+
+@pytest.mark.parametrize("case", ["pp2", "tp2"])
+def test_torchrun_launcher_trains_like_one_device(case):
+    proc = torchrun(["run", GPT, *TINY, *STRATEGIES[case], *TRAIN, "--steps", "3",
+                     "--launcher", "torchrun", "--check", "--json"])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = last_json(proc.stdout)
+    assert out["check"]["passed"] and out["check"]["max_rel_diff"] <= 1e-4
+    assert len(proc.stdout.strip().splitlines()) == 1, "rank 0 alone prints"
+    assert proc.stderr.count("step 3/3") == 1, "rank 0 alone reports progress"
+
+
+def test_a_checkpoint_saved_under_ray_resumes_under_torchrun(ray_session, capsys, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    first = ["run", GPT, *TINY, *STRATEGIES["pp2"], *TRAIN, "--checkpoint-dir", str(ckpt)]
+    assert main([*first, "--steps", "2", "--json"]) == 0
+    capsys.readouterr()
+    # resumed under another strategy and launcher: dp2 ZeRO-3 in torchrun's processes
+    proc = torchrun(["run", GPT, *TINY, *STRATEGIES["dp2_zero3"], *TRAIN, "--steps", "4",
+                     "--checkpoint-dir", str(ckpt), "--resume", "--launcher", "torchrun",
+                     "--check", "--json"])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = last_json(proc.stdout)
+    assert [s["step"] for s in out["steps"]] == [2, 3], "no step lost or repeated"
+    assert out["check"]["passed"] and out["check"]["max_rel_diff"] <= 1e-4
+    assert sorted(p.name for p in ckpt.iterdir()) == ["step-0000002", "step-0000004"]
+
+
+def test_bad_input_under_torchrun_is_said_once_and_no_rank_hangs():
+    proc = torchrun(["run", GPT, *TINY, "--gpus", "4", "--dp", "4", "--launcher", "torchrun"])
+    assert proc.returncode != 0
+    # said once, by rank 0 (torchrun then reports its child's exit code its own way)
+    assert proc.stderr.count("error: --gpus 4, but torchrun started 2 processes") == 1
+
+
+def test_torchrun_launcher_outside_torchrun_says_how_to_start_it(capsys, monkeypatch):
+    for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(k, raising=False)
+    assert main(["run", GPT, *TINY, "--gpus", "2", "--pp", "2", "--launcher", "torchrun"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: --launcher torchrun: no torchrun")
+
+
+def test_a_local_rank_killed_mid_run_is_named_and_nothing_is_left(capsys):
+    me = psutil.Process()
+    killed: list[int] = []
+
+    def sabotage() -> None:
+        end = time.monotonic() + 120
+        while time.monotonic() < end and not killed:
+            ranks = [p for p in me.children() if "python" in p.name().lower()]
+            if len(ranks) == 2:
+                time.sleep(8.0)  # set up, and a few steps in
+                os.kill(ranks[1].pid, signal.SIGKILL)
+                killed.append(ranks[1].pid)
+            time.sleep(0.2)
+
+    t = threading.Thread(target=sabotage, daemon=True)
+    t.start()
+    start = time.monotonic()
+    rc = main(["run", GPT, *TINY, *STRATEGIES["dp2_zero3"], "--steps", "100000",
+               "--launcher", "local"])
+    t.join(timeout=5)
+    err = capsys.readouterr().err
+    assert killed and rc == 3, err[-2000:]
+    assert "rank 1 died" in err and "exited with code -9" in err
+    assert time.monotonic() - start < 120
+    assert not [p for p in me.children() if p.is_running() and p.status() != "zombie"]
+
+
+def test_simulate_and_a_local_run_need_neither_ray_nor_optuna(tmp_path):
+    env = without_ray(tmp_path)
+    base = [sys.executable, "-m", "planner.cli"]
+    sim = subprocess.run([*base, "simulate", GPT, *TINY, "--gpus", "2", "--pp", "2"],
+                         check=False, cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert sim.returncode == 0 and "predicted:" in sim.stdout, sim.stderr[-2000:]
+    run = subprocess.run([*base, "run", GPT, *TINY, *STRATEGIES["pp2"], "--steps", "2",
+                          "--launcher", "local", "--check"],
+                         check=False, cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=240)
+    assert run.returncode == 0 and "check: passed" in run.stdout, run.stderr[-2000:]
+    search = subprocess.run([*base, "search", GPT, *TINY, "--gpus", "2"], check=False,
+                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert search.returncode == 2
+    assert search.stderr.strip().splitlines()[-1].startswith("error: search needs optuna")

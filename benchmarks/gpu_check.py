@@ -1,23 +1,27 @@
-"""The prepared check for the day a GPU is lent (issue 18): measured against simulated.
+"""The prepared check for the day a GPU is lent: what the cost model assumes, measured.
 
     bash benchmarks/gpu_check.sh                         # on the GPU machine, <= 8 minutes
     python benchmarks/gpu_check.py --device cpu --size tiny --steps 3   # the same path, here
 
-1. CUDA paths the runtime relies on, each checked in this process: bf16 matmuls against
-   fp32, a side stream ordered by an event, `torch.cuda.max_memory_allocated`, a one-rank
-   NCCL group's all-reduce.
-2. The device's bf16 and fp32 matmul rates by size (the saturating curve the cost model
-   uses: rate = peak x efficiency x f / (f + half)), a causal fused attention's forward +
-   backward rate, its copy bandwidth and the fixed cost of a small op, against the
-   catalog's figures.
+Runs as it finds the machine: the torch it has (>= 2.9), the project from this source tree
+(PYTHONPATH), no Ray, no Optuna, nothing installed (`gpu_check.sh` names what is missing).
+
+1. CUDA paths the runtime relies on: bf16 matmuls against fp32, a side stream ordered by an
+   event, `torch.cuda.max_memory_allocated`, a one-rank NCCL group's all-reduce.
+2. Each mechanism against the catalog entry's prediction for the device: bf16 GEMMs over a
+   grid of (M, N, K) with thin and wave-quantized shapes (`cost_models.kernels`), memory-
+   bound kernels by size, the fixed cost of a small kernel, copy bandwidth, a causal fused
+   attention forward + backward; and the saturating matmul curve the profiled cluster files
+   use.
 3. One cluster file per precision (OUT/cluster_bf16.toml, OUT/cluster_fp32.toml): the
-   catalog entry's links (one GPU has no peer to time them with) with these measured
-   compute, memory and per-op figures (`piper-plan profile` needs two ranks).
-4. Strategies of a ~124M-parameter GPT (GPT-2 small shapes) trained for real on the device
-   (`piper-plan run --json`) and simulated on the profiled cluster (`piper-plan simulate
-   --json`): step time and peak memory, measured vs predicted. Several processes cannot
-   share the one GPU under NCCL (each rank owns a device), so multi-rank strategies are
-   attempted and reported as refused when the machine has one GPU.
+   catalog's links (one GPU has no peer to time them with) with the measured compute,
+   memory and per-op figures.
+4. Single-device training steps of a ~124M-parameter GPT (GPT-2 small shapes), bf16-mixed,
+   at microbatch sizes 1, 2, 4, 8, with and without recompute, trained for real (`piper-plan
+   run --launcher local --json`) and simulated on the catalog entry and on the profiled file
+   (`simulate --json`): step time and peak memory, measured vs predicted. Two-rank strategies
+   are attempted and reported as refused where the machine has one GPU (NCCL ranks each
+   own a device).
 
 Writes OUT/gpu_check.json and prints one table; never a test dependency.
 """
@@ -27,10 +31,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import statistics
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -46,14 +52,14 @@ SIZES = {  # --model-arg pairs
     "gpt124m": ["size=1b", "dim=768", "layers=12", "heads=12", "seq=1024", "vocab=50304"],
     "tiny": ["size=tiny"],
 }
-STRATEGIES = [  # (label, precision, extra flags, gpus)
-    ("fp32 mb1", "fp32", ["--microbatches", "1"], 1),
-    ("fp32 mb4", "fp32", ["--microbatches", "4"], 1),
-    ("bf16-mixed mb1", "bf16-mixed", ["--microbatches", "1"], 1),
-    ("bf16-mixed mb4 recompute", "bf16-mixed", ["--microbatches", "4", "--recompute"], 1),
-    ("bf16-mixed pp2 1f1b mb4", "bf16-mixed", ["--pp", "2", "--microbatches", "4"], 2),
-    ("bf16-mixed dp2 zero3", "bf16-mixed", ["--dp", "2", "--zero", "3"], 2),
+STRATEGIES = [  # (label, precision, extra flags, gpus): microbatch size = 8 / microbatches
+    *((f"bf16-mixed mbs{8 // m}{' recompute' if rc else ''}", "bf16-mixed",
+       ["--microbatches", str(m), *(["--recompute"] if rc else [])], 1)
+      for rc in (False, True) for m in (8, 4, 2, 1)),
+    ("bf16-mixed pp2 1f1b mbs2", "bf16-mixed", ["--pp", "2", "--microbatches", "4"], 2),
+    ("bf16-mixed dp2 zero3 mbs4", "bf16-mixed", ["--dp", "2", "--zero", "3"], 2),
 ]
+QUICK = ("bf16-mixed mbs8", "bf16-mixed mbs8 recompute", "bf16-mixed pp2 1f1b mbs2")
 
 
 def cuda_paths(device: str) -> dict:
@@ -155,6 +161,52 @@ def memory_and_overheads(device: str, quick: bool) -> dict:
             "backward_op_s": max(0.0, both - 2 * fwd)}
 
 
+def gemm_grid(device: str, base, quick: bool) -> list[dict]:
+    """bf16 (CPU: fp32) GEMMs by shape against `cost_models.kernels.gemm_seconds` on the
+    catalog entry: square, thin K, thin N, a transformer layer's, and a tile count one past
+    a full wave of the SMs (the last wave nearly empty) beside one exactly full."""
+    from cost_models.kernels import Gemm, gemm_seconds
+
+    low = device == "cuda"
+    dtype = torch.bfloat16 if low else torch.float32
+    sms = base.sms or 132
+    shapes = [(4096, 4096, 4096), (8192, 8192, 8192), (2048, 2048, 2048), (8192, 8192, 128),
+              (8192, 64, 8192), (8192, 2304, 768), (8192, 768, 3072), (8192, 3072, 768),
+              (256 * sms, 128, 8192), (256 * (sms + 1), 128, 8192)]
+    if quick:
+        shapes = [(256, 256, 256), (512, 64, 512), (512, 512, 32)]
+    rows = []
+    for m, n, k in shapes:
+        a = torch.randn(m, k, device=device, dtype=dtype)
+        b = torch.randn(k, n, device=device, dtype=dtype)
+        took = _timed(lambda a=a, b=b: a @ b, device, 3 if quick else 20)
+        nbytes = a.element_size() * (m * k + k * n + m * n)
+        predicted = gemm_seconds(base, Gemm(1, m, n, k), nbytes, low)
+        rows.append({"m": m, "n": n, "k": k, "measured_s": took, "predicted_s": predicted,
+                     "tflops": 2 * m * n * k / took / 1e12, "error": predicted / took - 1})
+    return rows
+
+
+def memory_bound(device: str, base, quick: bool) -> list[dict]:
+    """An elementwise add (two reads, one write) by size, against the catalog's price of a
+    memory-bound kernel: its bytes at `elementwise_bandwidth` plus `kernel_overhead_s`."""
+    sizes = [2**12, 2**16, 2**20, 2**24] if quick else [2**16, 2**20, 2**22, 2**24, 2**26,
+                                                        2**28]
+    rows = []
+    for n in sizes:  # elements, bf16 (CPU: fp32)
+        dtype = torch.bfloat16 if device == "cuda" else torch.float32
+        x = torch.randn(n, device=device, dtype=dtype)
+        y, z = torch.randn_like(x), torch.empty_like(x)
+        took = _timed(lambda x=x, y=y, z=z: torch.add(x, y, out=z), device, 5 if quick else 50)
+        nbytes = 3 * n * x.element_size()
+        bw = base.elementwise_bandwidth
+        predicted = (nbytes / bw if bw else 0.0) + base.kernel_overhead_s
+        rows.append({"bytes": nbytes, "measured_s": took, "predicted_s": predicted,
+                     "gb_per_s": nbytes / took / 1e9,
+                     "error": predicted / took - 1 if predicted else None})
+    return rows
+
+
 def catalog_name(device: str) -> str:
     if device != "cuda":
         return "cpu"
@@ -165,9 +217,11 @@ def catalog_name(device: str) -> str:
 def piper(*args: str, timeout: int = 300) -> tuple[int, dict | None, str]:
     """One `piper-plan` command: (exit code, its --json object or None, stderr tail)."""
     cmd = [sys.executable, "-m", "planner.cli", *args]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}  # the source tree
     try:
         p = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=timeout,
-                           cwd=ROOT)
+                           cwd=ROOT, env=env)
     except subprocess.TimeoutExpired:
         return 124, None, f"timed out after {timeout} s"
     try:
@@ -200,9 +254,25 @@ def main() -> int:
     mem = memory_and_overheads(args.device, quick)
     attention = attention_rate(args.device, torch.bfloat16 if args.device == "cuda"
                                else torch.float32, quick)
-    report |= {"matmul_bf16": low, "matmul_fp32": full, "memory": mem,
-               "attention_bf16_rate": attention}
     base = load_cluster(catalog_name(args.device))
+    grid = gemm_grid(args.device, base, quick)
+    streams = memory_bound(args.device, base, quick)
+    report |= {"matmul_bf16": low, "matmul_fp32": full, "memory": mem,
+               "attention_bf16_rate": attention, "gemm_grid": grid, "memory_bound": streams,
+               "catalog": base.name}
+    print(f"\nGEMMs against the catalog ({base.name}: waves over {base.sms} SMs)")
+    print(f"{'M':>7} {'N':>6} {'K':>6} {'TFLOP/s':>8} {'measured':>10} {'predicted':>10} "
+          f"{'error':>7}")
+    for g in grid:
+        print(f"{g['m']:>7} {g['n']:>6} {g['k']:>6} {g['tflops']:>8.1f} "
+              f"{g['measured_s'] * 1e6:>8.1f}us {g['predicted_s'] * 1e6:>8.1f}us "
+              f"{100 * g['error']:>+6.1f}%")
+    print(f"\nmemory-bound add against the catalog ({(base.elementwise_bandwidth or 0) / 1e9:.0f}"
+          f" GB/s + {base.kernel_overhead_s * 1e6:.1f} us a kernel)")
+    for r in streams:
+        err = f"{100 * r['error']:>+6.1f}%" if r["error"] is not None else "     -"
+        print(f"{r['bytes'] / 2**20:>10.2f} MiB {r['gb_per_s']:>8.0f} GB/s "
+              f"{r['measured_s'] * 1e6:>9.1f}us {r['predicted_s'] * 1e6:>9.1f}us {err}")
     for name, curve, peak in (("bf16", low, base.peak_flops(True)),
                               ("fp32", full, base.peak_flops(False))):
         print(f"{name} matmul: up to {curve['rate_max'] / 1e12:.3g} TFLOP/s = "
@@ -241,12 +311,22 @@ def main() -> int:
         clusters[name] = args.out / f"cluster_{name}.toml"
         clusters[name].write_text(to_toml(spec))
     rows = []
-    for label, precision, flags, gpus in STRATEGIES:
-        which = clusters["fp32" if precision == "fp32" else "bf16"]
-        strat = [*common, "--gpus", str(gpus), "--precision", precision, *flags]
-        rc_s, sim, err_s = piper("simulate", *strat, "--cluster", str(which), "--json")
-        rc_r, run, err_r = piper("run", *strat, "--device", args.device, "--steps",
-                                 str(args.steps), "--seed", "0", "--json", timeout=240)
+    # the tiny size exercises the path (a test runs it): one strategy of each kind
+    chosen = [s for s in STRATEGIES if not quick or s[0] in QUICK]
+    strategies = [(label, gpus, [*common, "--gpus", str(gpus), "--precision", precision,
+                                 *flags], clusters["fp32" if precision == "fp32" else "bf16"])
+                  for label, precision, flags, gpus in chosen]
+    # simulations are CPU work: all at once, beside the runs one at a time
+    with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
+        simulated = [(pool.submit(piper, "simulate", *strat, "--cluster", str(which), "--json"),
+                      pool.submit(piper, "simulate", *strat, "--cluster", base.name, "--json"))
+                     for _, _, strat, which in strategies]
+        runs = [piper("run", *strat, "--device", args.device, "--launcher", "local",
+                      "--steps", str(args.steps), "--seed", "0", "--json", timeout=240)
+                for _, _, strat, _ in strategies]
+        simulated = [(a.result(), b.result()) for a, b in simulated]
+    for (label, gpus, _, _), (rc_r, run, err_r), ((rc_s, sim, err_s), (rc_c, cat, _)) in zip(
+            strategies, runs, simulated, strict=True):
         row = {"strategy": label, "gpus": gpus}
         if rc_r == 0 and run and rc_s == 0 and sim:
             times = [s["time_s"] for s in run["steps"][1:]] or [run["steps"][0]["time_s"]]
@@ -256,22 +336,27 @@ def main() -> int:
                     "error": predicted / took - 1,
                     "measured_peak": max(run["peak_memory_bytes"]),
                     "predicted_peak": max(sim["predicted"]["peak_memory_bytes"])}
+            if rc_c == 0 and cat:
+                row |= {"catalog_s": cat["predicted"]["step_time_s"],
+                        "catalog_error": cat["predicted"]["step_time_s"] / took - 1}
         else:
             row["not_run"] = err_r or err_s or f"exit {rc_r}/{rc_s}"
         rows.append(row)
-        print(json.dumps(row))
+        print(json.dumps(row), flush=True)
     report["strategies"] = rows
     report["seconds"] = time.perf_counter() - start
     (args.out / "gpu_check.json").write_text(json.dumps(report, indent=1))
-    print(f"\n{'strategy':<28} {'measured':>10} {'predicted':>10} {'error':>7} "
-          f"{'peak meas.':>11} {'peak pred.':>11}")
+    print(f"\n| strategy | measured | profiled file | error | catalog ({base.name}) | error "
+          "| peak measured | peak predicted |\n|---|---|---|---|---|---|---|---|")
     for r in rows:
         if "not_run" in r:
-            print(f"{r['strategy']:<28} not run: {r['not_run'][:90]}")
+            print(f"| {r['strategy']} | not run: {r['not_run'][:90]} |")
             continue
-        print(f"{r['strategy']:<28} {r['measured_s'] * 1e3:>8.1f}ms {r['predicted_s'] * 1e3:>8.1f}ms "
-              f"{100 * r['error']:>+6.1f}% {r['measured_peak'] / 2**20:>9.0f}Mi "
-              f"{r['predicted_peak'] / 2**20:>9.0f}Mi")
+        cat = (f"{r['catalog_s'] * 1e3:.1f} ms | {100 * r['catalog_error']:+.1f}%"
+               if "catalog_s" in r else "- | -")
+        print(f"| {r['strategy']} | {r['measured_s'] * 1e3:.1f} ms | "
+              f"{r['predicted_s'] * 1e3:.1f} ms | {100 * r['error']:+.1f}% | {cat} | "
+              f"{r['measured_peak'] / 2**20:.0f} MiB | {r['predicted_peak'] / 2**20:.0f} MiB |")
     done = [r for r in rows if "error" in r]
     if done:
         print(f"MAPE {100 * statistics.fmean(abs(r['error']) for r in done):.1f}% over "

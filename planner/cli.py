@@ -112,6 +112,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     f = model_cmd("profile", "measure this machine and write a cluster spec (TOML)")
     f.add_argument("--device", choices=["cpu", "cuda"])
+    f.add_argument("--launcher", choices=["ray", "local"], default="ray",
+                   help="ray: Ray actors; local: one process per rank spawned here, no Ray")
     f.add_argument("--out", required=True, metavar="CLUSTER.toml",
                    help="cluster spec to write; pass it to search/simulate as --cluster")
 
@@ -282,7 +284,7 @@ def _emit(obj: dict[str, Any]) -> None:
 # ---- commands ------------------------------------------------------------------------------
 def cmd_profile(args: argparse.Namespace) -> int:
     from planner.profile import check_request, profile
-    from runtime.launcher import RuntimeFailure
+    from runtime.jobs import RuntimeFailure
 
     spec = _spec(args)
     device = _device(args)
@@ -291,7 +293,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
         log(f"profiling {args.gpus} {device} ranks (chunks, matmuls, optimizer, collectives)")
     try:
         res = profile(spec, gpus=args.gpus, device=device, batch=_batch(args, spec),
-                      out=args.out)
+                      out=args.out, launcher=args.launcher)
     except RuntimeFailure as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_RUNTIME

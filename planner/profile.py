@@ -50,14 +50,14 @@ def check_request(out: str, gpus: int) -> Path:
 
 
 def profile(spec: ModelSpec, *, gpus: int, device: str, batch: int, out: str,
-            address: str | None = None) -> ProfileResult:
+            address: str | None = None, launcher: str = "ray") -> ProfileResult:
     """Measure, fit, write `out`; PiperError for bad input, RuntimeFailure for a rank."""
     from planner.profiling import ProbePlan, measure
 
     path = check_request(out, gpus)
     t0 = time.perf_counter()
     costs = model_costs(capture(spec, 1))
-    m = measure(spec, gpus=gpus, device=device, address=address,
+    m = measure(spec, gpus=gpus, device=device, address=address, launcher=launcher,
                 plan=ProbePlan(microbatch_sizes=microbatch_sizes(batch, gpus)))
     cluster, report = calibrate(m, costs, name=path.stem)
     path.write_text(to_toml(cluster))

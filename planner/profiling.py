@@ -1,5 +1,6 @@
-"""Host `cost_models.probes` on real worker processes: one Ray actor per rank, a real
-`torch.distributed` process group between them, as `runtime.launcher.run` starts them.
+"""Host `cost_models.probes` on real worker processes: one Ray actor per rank, or one process
+per rank spawned here (`launcher="local"`, no Ray: `runtime.process_ranks`), a real
+`torch.distributed` process group between them, as `piper-plan run` starts them.
 
     measurements = measure(spec, gpus=4, device="cpu", batch_size=32)
 
@@ -15,9 +16,9 @@ from __future__ import annotations
 import datetime
 import os
 import statistics
+from collections.abc import Callable
 from dataclasses import dataclass
 
-import ray
 import torch
 import torch.distributed as dist
 
@@ -33,9 +34,8 @@ from cost_models.probes import (
 from piper.capture import capture
 from piper.errors import PiperError
 from piper.model_file import ModelSpec, load_model
-from runtime.cluster import cluster_address, connect, disconnect, remote_source
-from runtime.launcher import RuntimeFailure, _free_port
-from runtime.placement import place, rank_resources
+from runtime.jobs import RuntimeFailure, free_port
+from runtime.process_ranks import Here, Ranks
 
 
 @dataclass(frozen=True)
@@ -54,10 +54,10 @@ class ProbeWorker:
     """One rank of a profile run. Methods in order: setup, comm, compute, shutdown."""
 
     def __init__(self, rank: int, world: int, master: str, model: tuple, device: str,
-                 threads: int) -> None:
+                 threads: int, gpu: int = 0) -> None:
         self.rank, self.world, self.master = rank, world, master
         self.model = model  # `ModelSpec.source`
-        self.device = torch.device("cuda", 0) if device == "cuda" else torch.device("cpu")
+        self.device = torch.device("cuda", gpu) if device == "cuda" else torch.device("cpu")
         torch.set_num_threads(threads)
         self.groups: dict[tuple[int, ...], object] = {}
         self.layout: dict[int, list[tuple[int, ...]]] = {}
@@ -96,41 +96,31 @@ class ProbeWorker:
             dist.destroy_process_group()
 
 
-RemoteProbe = ray.remote(ProbeWorker)
+def probe_host(rank: int, world: int, here: Here, store: object, master: str, model: tuple,
+               device: str) -> ProbeWorker:
+    """A spawned rank's probe (`runtime.process_ranks`)."""
+    return ProbeWorker(rank, world, master, model, device, here.threads, here.gpu)
 
 
 def measure(spec: ModelSpec, *, gpus: int, device: str, plan: ProbePlan | None = None,
-            address: str | None = None, timeout_s: float = 120.0) -> Measurements:
-    """Run the probes on `gpus` fresh worker processes; RuntimeFailure names a failed rank."""
+            address: str | None = None, timeout_s: float = 120.0,
+            launcher: str = "ray") -> Measurements:
+    """Run the probes on `gpus` fresh worker processes (Ray actors, or with `launcher`
+    "local" processes spawned here); RuntimeFailure names a failed rank."""
     if gpus < 2:
         raise PiperError(f"profile needs --gpus >= 2 to time communication, got {gpus}")
     plan = plan or ProbePlan()
-    started = connect(address, ship=[spec.source[0]])
-    threads = max(1, (os.cpu_count() or 1) // gpus)  # what runtime.launcher gives a rank
-    master = f"127.0.0.1:{_free_port()}"
-    # one node's devices are profiled: every probe on one node (a loopback rendezvous)
-    needs = rank_resources(device, cluster_address(address) is not None, gpus)
-    where = place(gpus, gpus, needs)
-    actors = [RemoteProbe.options(num_cpus=needs.get("CPU", 0), num_gpus=needs.get("GPU", 0),
-                                  **where.options(r)).remote(
-        r, gpus, master, remote_source(spec.source), device, threads)
-        for r in range(gpus)]
-    try:
-        _gather([a.setup.remote(timeout_s) for a in actors], timeout_s, "setup")
-        comm = _gather([a.comm.remote(plan) for a in actors], timeout_s, "communication")
-        compute = _gather([a.compute.remote(plan) for a in actors], timeout_s, "compute")[0]
-        sharing = _gather([a.sharing.remote(plan) for a in actors], timeout_s, "sharing")
-        _gather([a.shutdown.remote() for a in actors], timeout_s, "shutdown")
-        for a in actors:
-            ray.kill(a, no_restart=True)
-        actors = []
-        sample = short_run(spec, gpus, device, timeout_s)
-    finally:
-        for a in actors:
-            ray.kill(a, no_restart=True)
-        where.remove()
-        if started:
-            disconnect()
+    master = f"127.0.0.1:{free_port()}"  # one node's devices: a loopback rendezvous
+    if launcher == "local":
+        ranks = Ranks(gpus, timeout_s)
+        try:
+            ranks.start(probe_host, master, spec.source, device)
+            comm, compute, sharing = _probe(ranks.call_all, plan, timeout_s)
+        finally:
+            ranks.close()
+    else:
+        comm, compute, sharing = _on_ray(spec, gpus, device, plan, address, timeout_s, master)
+    sample = short_run(spec, gpus, device, timeout_s, launcher)
     return Measurements(device=device, device_name=_device_name(device), ranks=gpus,
                         memory_bytes=_memory_per_rank(device, gpus),
                         cores=effective_cores(sharing) if device == "cpu" else None,
@@ -138,18 +128,58 @@ def measure(spec: ModelSpec, *, gpus: int, device: str, plan: ProbePlan | None =
                         run=sample)
 
 
+def _probe(call_all: Callable[..., list], plan: ProbePlan, timeout_s: float
+           ) -> tuple[list, ComputeTimings | None, list]:
+    """Every probe, in order, through `call_all(method, what, *args)` on all ranks."""
+    call_all("setup", "setup", timeout_s)
+    comm = call_all("comm", "communication", plan)
+    compute = call_all("compute", "compute", plan)[0]
+    sharing = call_all("sharing", "sharing", plan)
+    call_all("shutdown", "shutdown")
+    return comm, compute, sharing
+
+
+def _on_ray(spec: ModelSpec, gpus: int, device: str, plan: ProbePlan, address: str | None,
+            timeout_s: float, master: str) -> tuple[list, ComputeTimings | None, list]:
+    import ray
+
+    from runtime.cluster import cluster_address, connect, disconnect, remote_source
+    from runtime.placement import place, rank_resources
+
+    started = connect(address, ship=[spec.source[0]])
+    threads = max(1, (os.cpu_count() or 1) // gpus)  # what runtime.launcher gives a rank
+    needs = rank_resources(device, cluster_address(address) is not None, gpus)
+    where = place(gpus, gpus, needs)
+    actors = [ray.remote(ProbeWorker).options(
+        num_cpus=needs.get("CPU", 0), num_gpus=needs.get("GPU", 0), **where.options(r)
+    ).remote(r, gpus, master, remote_source(spec.source), device, threads)
+        for r in range(gpus)]
+
+    def call_all(method: str, what: str, *args: object) -> list:
+        return _gather([getattr(a, method).remote(*args) for a in actors], timeout_s, what)
+
+    try:
+        return _probe(call_all, plan, timeout_s)
+    finally:
+        for a in actors:
+            ray.kill(a, no_restart=True)
+        where.remove()
+        if started:
+            disconnect()
+
+
 RUN_STEPS = 4
 RUN_MICROBATCH = 4
 """Steps of the short real run; only the last one's timeline is used."""
 
 
-def short_run(spec: ModelSpec, gpus: int, device: str, timeout_s: float) -> RunSample:
+def short_run(spec: ModelSpec, gpus: int, device: str, timeout_s: float,
+              launcher: str = "ray") -> RunSample:
     """A few real steps of 1F1B over two stages where the model and `gpus` allow (data
     parallel for the rest), for what only the runtime adds to
     the probes' figures (`cost_models.calibrate`): time between tasks, and how much slower
     compute runs among the step's other work than alone."""
     from piper import schedules
-    from runtime.launcher import run
     from runtime.lowering import lower
     from search_spaces.partition import balanced_stages
 
@@ -164,8 +194,19 @@ def short_run(spec: ModelSpec, gpus: int, device: str, timeout_s: float) -> RunS
     mb = max(1, min(RUN_MICROBATCH, spec.batch_size // (2 * pp * dp)))
     batch = mb * 2 * pp * dp
     plan = lower(spec, program, gpus, batch)
-    res = run(spec, plan, batch_size=batch, steps=RUN_STEPS, seed=0, device=device,
-              timeout_s=timeout_s)
+    if launcher == "local":
+        from runtime.process_job import ProcessJob
+
+        with ProcessJob(spec, plan, batch_size=batch, seed=0, device=device,
+                        timeout_s=timeout_s) as job:
+            for _ in range(RUN_STEPS):
+                job.step()
+            res = job.finish()
+    else:
+        from runtime.launcher import run
+
+        res = run(spec, plan, batch_size=batch, steps=RUN_STEPS, seed=0, device=device,
+                  timeout_s=timeout_s)
     return RunSample(plan, mb, res.spans)
 
 
@@ -193,6 +234,8 @@ def slowest_rank(per_rank: list[list[CommSample]]) -> list[CommSample]:
 
 
 def _gather(refs: list, timeout_s: float, what: str) -> list:
+    import ray
+
     ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
     out = []
     for rank, ref in enumerate(refs):

@@ -8,7 +8,6 @@ as `search` is."""
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from typing import Any
 
@@ -71,17 +70,15 @@ def run(args: argparse.Namespace) -> int:
     checks the input, drives the run, and lets them go however it ends."""
     torchrun = None
     if args.launcher == "torchrun":
-        from runtime.process_job import Torchrun, serve
+        from runtime.process_ranks import Torchrun, serve
 
-        torchrun = Torchrun.here()
+        torchrun = Torchrun.from_env()
         if torchrun is None:
             raise PiperError("--launcher torchrun: no torchrun environment (RANK, WORLD_SIZE, "
                              "MASTER_ADDR, MASTER_PORT); start it as `torchrun "
                              "--nproc-per-node K -m planner.cli run ...`")
         if torchrun.rank != 0:
-            serve(torchrun.store, torchrun.rank, torchrun.world, ip=torchrun.node_ip(),
-                  gpu=torchrun.local_rank,
-                  threads=max(1, (os.cpu_count() or 1) // torchrun.local_world))
+            serve(torchrun.store, torchrun.rank, torchrun.world, torchrun.place())
             return 0
     try:
         return _drive(args, torchrun)

@@ -53,3 +53,22 @@ class StderrLines:
 
     def __str__(self) -> str:
         return "".join(self.lines)
+
+
+# a Python where importing ray or optuna fails, as on a machine that has neither (its
+# spawned processes too: sitecustomize runs in every interpreter that PYTHONPATH reaches)
+NO_RAY = """import importlib.abc, sys
+class _Gone(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name.split(".")[0] in ("ray", "optuna"):
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+sys.meta_path.insert(0, _Gone())
+"""
+
+
+def without_ray(tmp_path: Path) -> dict[str, str]:
+    """An environment whose Pythons cannot import ray or optuna (this tree importable)."""
+    site = tmp_path / "site"
+    site.mkdir(exist_ok=True)
+    (site / "sitecustomize.py").write_text(NO_RAY)
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), str(ROOT)])}

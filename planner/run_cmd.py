@@ -8,6 +8,7 @@ as `search` is."""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Any
 
@@ -81,10 +82,19 @@ def run(args: argparse.Namespace) -> int:
             serve(torchrun.store, torchrun.rank, torchrun.world, torchrun.place())
             return 0
     try:
-        return _drive(args, torchrun)
+        rc = _drive(args, torchrun)
     finally:
         if torchrun is not None:
             torchrun.release()
+    from planner.cli import EXIT_RUNTIME
+
+    if torchrun is not None and rc == EXIT_RUNTIME:
+        # rank 0's own part may still wait in a collective for the rank that failed: end
+        # the process now (torchrun then stops the others), not at the interpreter's exit
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(rc)
+    return rc
 
 
 def _drive(args: argparse.Namespace, torchrun: Any) -> int:

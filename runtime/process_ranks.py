@@ -19,6 +19,7 @@ import datetime
 import os
 import pickle
 import socket
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -165,6 +166,23 @@ def _spawned(rank: int, world: int, port: int, parent: int, threads: int) -> Non
           alive=lambda: os.getppid() == parent)
 
 
+class _Call(threading.Thread):
+    """Rank 0's part of a call under torchrun, on a thread of its own (a daemon: a rank 0
+    stopped by another rank's failure must not keep the process alive)."""
+
+    def __init__(self, host: Any, method: str, args: tuple) -> None:
+        super().__init__(daemon=True, name=f"piper-rank-0-{method}")
+        self.host, self.method, self.args = host, method, args
+        self.value: Any = None
+        self.error: str | None = None
+
+    def run(self) -> None:
+        try:
+            self.value = getattr(self.host, self.method)(*self.args)
+        except Exception as e:  # noqa: BLE001 - named like a serving rank's
+            self.error = f"{_where(self.host, self.method)}: {reason(e)}"
+
+
 class Ranks:
     """The driver's side: `world` ranks spawned here, or (`torchrun`) torchrun's processes
     with rank 0 hosted in this one. `start` builds every host, `call_all` calls a method on
@@ -212,14 +230,11 @@ class Ranks:
 
     def call_all(self, method: str, what: str, *args: Any) -> list:
         seq = self._post(method, args)
-        out: dict[int, Any] = {}
-        if self.local is not None:
-            try:
-                out[0] = getattr(self.local, method)(*args)
-            except Exception as e:  # noqa: BLE001 - named like a serving rank's
-                raise RuntimeFailure(f"rank 0 failed {_where(self.local, method)}: "
-                                     f"{reason(e)}") from None
-        out.update(self._answers(seq, what))
+        local = None
+        if self.local is not None:  # rank 0's part runs beside the wait for the others, so
+            local = _Call(self.local, method, args)  # a rank failing while rank 0 waits in
+            local.start()  # a collective for it is reported at once, not at a timeout
+        out = self._answers(seq, what, local)
         if method == SHUTDOWN:
             self.finished = True
             if self.torchrun is not None:
@@ -238,13 +253,22 @@ class Ranks:
             self.store.set(_key("cmd", r, seq), message)
         return seq
 
-    def _answers(self, seq: int, what: str) -> dict[int, Any]:
-        """Every serving rank's answer to call `seq`, or `RuntimeFailure` at the first
-        failure (after `GRACE_S` for the others to fail too: the root cause leads)."""
+    def _answers(self, seq: int, what: str, local: _Call | None = None) -> dict[int, Any]:
+        """Every rank's answer to call `seq` (rank 0's from `local`, if it runs here), or
+        `RuntimeFailure` at the first failure (after `GRACE_S` for the others to fail too:
+        the root cause leads)."""
         pending, out, errors = list(self.remote), {}, {}
+        if local is not None:
+            pending.insert(0, 0)
         end, grace = time.monotonic() + self.deadline_s, None
         while pending:
-            for r in list(pending):
+            if local is not None and 0 in pending and not local.is_alive():
+                pending.remove(0)
+                if local.error is None:
+                    out[0] = local.value
+                else:
+                    errors[0] = local.error
+            for r in [r for r in pending if r != 0 or local is None]:
                 key = _key("res", r, seq)
                 if self.store.check([key]):
                     status, value = pickle.loads(self.store.get(key))

@@ -80,6 +80,15 @@ def test_bad_input_under_torchrun_is_said_once_and_no_rank_hangs():
     assert proc.stderr.count("error: --gpus 4, but torchrun started 2 processes") == 1
 
 
+def test_a_rank_failing_mid_step_under_torchrun_is_named_by_rank_0():
+    proc = torchrun(["run", str(ROOT / "tests" / "models" / "fails_on_rank.py"), *TINY,
+                     *STRATEGIES["pp2"], "--steps", "2", "--launcher", "torchrun"],
+                    env={**os.environ, "PIPER_TEST_FAIL_RANK": "1"})
+    assert proc.returncode != 0
+    assert ("error: rank 1 failed during step 0 while running task F1.0: RuntimeError: "
+            "injected failure on rank 1") in proc.stderr, proc.stderr[-2000:]
+
+
 def test_torchrun_launcher_outside_torchrun_says_how_to_start_it(capsys, monkeypatch):
     for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(k, raising=False)

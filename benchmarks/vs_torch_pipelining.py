@@ -37,7 +37,8 @@ from piper import schedules
 from piper.model_file import ModelSpec, load_model_file
 from planner.evaluate import Evaluator
 from runtime.cluster import connect
-from runtime.launcher import Job, _free_port
+from runtime.jobs import free_port
+from runtime.launcher import Job
 from runtime.lowering import lower
 from search_spaces.partition import balanced_stages
 
@@ -123,7 +124,7 @@ class Theirs:
     def __init__(self, schedule: str, stages: list[list[str]], world: int, microbatches: int,
                  batch: int) -> None:
         ctx = mp.get_context("spawn")
-        port = _free_port()
+        port = free_port()
         threads = max(1, (os.cpu_count() or 1) // world)
         self.conns, self.procs = [], []
         for r in range(world):

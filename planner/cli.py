@@ -20,8 +20,8 @@ DEFAULT_CLUSTER = "h100-80gb"
 SAMPLERS = ("tpe", "gp", "nsga2", "grid")
 """Optuna samplers `search --sampler` offers (`planner.samplers` builds them; named here so
 that parsing the command line needs no Optuna)."""
-OPTIONAL = {"ray": "pip install 'ray[tune]'; `simulate`, `profile` and `run --launcher local` "
-                   "or `--launcher torchrun` run without it",
+OPTIONAL = {"ray": "pip install 'ray[tune]'; `simulate`, `run --launcher local` or "
+                   "`--launcher torchrun` and `profile --launcher local` run without it",
             "optuna": "pip install optuna; `simulate` and `run` run without it"}
 """Packages only some commands need, and what to say when one is missing."""
 MAX_GPUS = 2**17  # beyond the largest clusters built; a bound that keeps typos from hanging

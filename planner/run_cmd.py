@@ -22,8 +22,9 @@ LAUNCHERS = ("ray", "local", "torchrun")
 
 
 def add_train_flags(r: argparse.ArgumentParser) -> None:
-    r.add_argument("--launcher", choices=LAUNCHERS, default="ray",
-                   help="ray: Ray actors, on this machine or a Ray cluster (--address); "
+    r.add_argument("--launcher", choices=LAUNCHERS,
+                   help="(default: torchrun in a process torchrun started, else ray) "
+                        "ray: Ray actors, on this machine or a Ray cluster (--address); "
                         "local: one process per rank on this machine, no Ray; torchrun: "
                         "this process is one of those `torchrun --nproc-per-node K -m "
                         "planner.cli run ...` started (docs/training.md)")
@@ -70,6 +71,8 @@ def run(args: argparse.Namespace) -> int:
     """Under torchrun, ranks other than 0 serve rank 0's calls and print nothing; rank 0
     checks the input, drives the run, and lets them go however it ends."""
     torchrun = None
+    if args.launcher is None:  # torchrun names its workers' run: started by it, run under it
+        args.launcher = "torchrun" if os.environ.get("TORCHELASTIC_RUN_ID") else "ray"
     if args.launcher == "torchrun":
         from runtime.process_ranks import Torchrun, serve
 

@@ -30,7 +30,6 @@ from runtime.jobs import (
     StepResult,
     check_machine,
     describe_nodes,
-    free_port,
     ranks_text,
     reason,
 )
@@ -69,9 +68,6 @@ def _check_cluster(world: int, device: str) -> None:
         have = int(ray.cluster_resources().get("GPU", 0))
         if world > have:
             raise PiperError(f"--gpus {world} needs {world} GPUs; the Ray cluster has {have}")
-
-
-_free_port = free_port  # older callers' name
 
 
 def run(spec: ModelSpec, plan: Plan, *, batch_size: int, steps: int, seed: int,

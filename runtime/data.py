@@ -25,14 +25,19 @@ import torch
 from piper.errors import PiperError
 from piper.model_file import ModelSpec
 
+CHECK_CHUNK = 2**26  # tokens read at a time while checking a file's ids
 Rows = tuple[tuple[torch.Tensor, ...], Any]  # (flat inputs, targets) of some rows
 Split = tuple[tuple[torch.Tensor, ...], dict[str, torch.Tensor], Any]  # (args, kwargs, targets)
 
 
 class TokenFile:
-    """Windows of `seq_len + 1` tokens of a memory-mapped token file."""
+    """Windows of `seq_len + 1` tokens of a memory-mapped token file. With `vocab`, every id
+    is checked to be below it first (one pass over the file), so a file written for another
+    tokenizer or read with the wrong `--data-dtype` is bad input, not a worker's IndexError
+    in its first step."""
 
-    def __init__(self, path: str, seq_len: int, dtype: str = "uint16", seed: int = 0) -> None:
+    def __init__(self, path: str, seq_len: int, dtype: str = "uint16", seed: int = 0,
+                 vocab: int | None = None) -> None:
         try:
             self.tokens = np.memmap(path, dtype=np.dtype(dtype), mode="r")
         except (OSError, ValueError) as e:
@@ -42,6 +47,13 @@ class TokenFile:
         if self.count < 1:
             raise PiperError(f"--data {path}: {len(self.tokens)} tokens hold no window of "
                              f"{self.window} (seq_len + 1)")
+        if vocab is not None:
+            top = max(int(self.tokens[i:i + CHECK_CHUNK].max())
+                      for i in range(0, len(self.tokens), CHECK_CHUNK))
+            if top >= vocab:
+                raise PiperError(f"--data {path}: token id {top} is outside the model's "
+                                 f"vocabulary of {vocab} (ids 0-{vocab - 1}): a file from "
+                                 f"another tokenizer, or not {dtype} (--data-dtype)?")
         self.seed = seed
         self._perm: tuple[int, torch.Tensor] | None = None
 
@@ -67,10 +79,11 @@ class BatchSource:
     def __init__(self, spec: ModelSpec, batch_size: int, seed: int, data: str | None = None,
                  data_dtype: str = "uint16") -> None:
         self.spec, self.batch_size, self.seed = spec, batch_size, seed
+        vocab = None
         if data:
             with torch.device("meta"):  # a model file may size its batch as it builds
-                spec.build()
-        self.file = TokenFile(data, spec.seq_len(), data_dtype, seed) if data else None
+                vocab = input_vocabulary(spec.build())
+        self.file = TokenFile(data, spec.seq_len(), data_dtype, seed, vocab) if data else None
         self._gen: Iterator[Any] | None = None
         self._at = 0  # the generator's next step
         self._fixed: Split | None = None
@@ -109,6 +122,16 @@ class BatchSource:
             self._at += 1
             if self._at > step:
                 return self.spec.split(out, self.batch_size, "train_batches")
+
+
+def input_vocabulary(model: torch.nn.Module) -> int | None:
+    """Rows of the embedding token ids index: a Hugging Face model's input embeddings, else
+    the first `nn.Embedding` the model registers (None: no embedding, ids not checked)."""
+    get = getattr(model, "get_input_embeddings", None)
+    emb = get() if callable(get) else None
+    if not isinstance(emb, torch.nn.Embedding):
+        emb = next((m for m in model.modules() if isinstance(m, torch.nn.Embedding)), None)
+    return None if emb is None else emb.num_embeddings
 
 
 def _slice(batch: Split, lo: int, hi: int) -> Split:

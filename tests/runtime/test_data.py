@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from piper.model_file import load_model_file, parse_model_args
+from planner.cli import main
 from runtime.data import BatchSource, TokenFile, write_synthetic_tokens
 from runtime.training import TrainConfig, lr_factor
 from tests.conftest import GPT
@@ -43,6 +44,15 @@ def test_rank_rows_are_slices_of_the_global_batch(spec, tmp_path):
             assert torch.equal(part_in[0], inputs[0][lo:hi])
             assert torch.equal(part_t, targets[lo:hi])
     assert not torch.equal(src.rows(0, 0, 8)[0][0], src.rows(1, 0, 8)[0][0])
+
+
+def test_token_ids_beyond_the_vocabulary_are_bad_input_before_any_worker(capsys, tmp_path):
+    path = write_synthetic_tokens(str(tmp_path / "t.bin"), 5_000, vocab=300)  # tiny: 128
+    assert main(["run", GPT, "--model-arg", "size=tiny", "--gpus", "2", "--dp", "2",
+                 "--data", path]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: --data {path}: token id 299 is "
+                                               "outside the model's vocabulary of 128")
 
 
 def test_train_batches_step_k_is_the_kth_batch(spec):

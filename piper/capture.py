@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import contextlib
 import io
-import re
 import sys
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import Any
 
 import torch
@@ -31,6 +31,7 @@ from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind
 
 from piper.annotate import TAG_KEY, counting_regions
+from piper.capture_errors import export_failure, failing_module, user_frame
 from piper.errors import PiperError
 from piper.model_file import ModelSpec
 from piper.moe import expert_modules
@@ -206,11 +207,13 @@ def _export(spec: ModelSpec, batch: int, sharding: ModelSharding | None,
         ep = _trace(model, args, kwargs)
     except Exception as e:  # noqa: BLE001 - user code
         if not (_unknown_output(e) and _register_dataclasses(model, args, kwargs)):
-            raise PiperError(f"{spec.path}: {_export_failure(e)}") from None
+            where = "" if user_frame(str(e).splitlines()) else failing_module(
+                partial(_run_fresh, spec, batch, sharding, prepare), spec.path)
+            raise PiperError(f"{spec.path}: {export_failure(e, where)}") from None
         try:  # the output is a dataclass torch did not know: now it does
             ep = _trace(model, args, kwargs)
         except Exception as e2:  # noqa: BLE001 - user code
-            raise PiperError(f"{spec.path}: {_export_failure(e2)}") from None
+            raise PiperError(f"{spec.path}: {export_failure(e2)}") from None
     return model, ep, to_meta(targets), auto
 
 
@@ -298,29 +301,22 @@ def to_meta(val: Any) -> Any:
     return pytree.tree_map(conv, val)
 
 
-def _export_failure(e: Exception) -> str:
-    """One line naming what torch.export could not capture, and what to do."""
-    lines = [ln.strip() for ln in str(e).strip().splitlines() if ln.strip()]
-    msg = lines[0] if lines else ""
-    kind = type(e).__name__
-    untraceable = any(k in kind for k in ("DataDependent", "Unsupported", "UserError",
-                                          "Guard", "Dynamic"))
-    hint = ("; torch.export cannot follow Python that depends on tensor values (.item(), "
-            ".tolist(), if on a tensor, data-dependent shapes): compute it with tensor ops "
-            "or outside forward (docs/models.md)") if untraceable else ""
-    return f"capturing the model failed{_user_frame(lines)}: {kind}: {msg}{hint}"
-
-
-def _user_frame(lines: list[str]) -> str:
-    """` at FILE:LINE in FUNC (`code`)`: the call torch.export names as raising, if any."""
-    for i, ln in enumerate(lines):
-        m = re.match(r'File "([^"]+)", line (\d+), in (\S+)', ln)
-        if m and i and "raised this error" in " ".join(lines[max(0, i - 2):i]):
-            code = lines[i + 1] if i + 1 < len(lines) else ""
-            return (f" at {m[1]}:{m[2]} in {m[3]}" + (f" (`{code}`)" if code and not
-                                                      code.startswith(("File ", "The "))
-                                                      else ""))
-    return ""
+def _run_fresh(spec: ModelSpec, batch: int, sharding: ModelSharding | None,
+               prepare: Callable[[torch.nn.Module], None] | None, seen: dict) -> None:
+    """Build the model as `_export` does (a failed export can leave its model patched) and
+    run its forward eagerly on fake tensors (`capture_errors.failing_module`)."""
+    with torch.device("meta"):
+        model = spec.build()
+        if prepare is not None:
+            prepare(model)
+    seen["model"] = model
+    with FakeTensorMode(allow_non_fake_inputs=False):
+        _fake_state(model, TRACE_DEVICE)
+        args, kwargs, _ = spec.example(batch)
+        if sharding is not None:
+            sharding.apply(model, 0, 0)
+        with counting_regions():
+            model(*args, **kwargs)
 
 
 def _modules(model: torch.nn.Module, mg: ModelGraph) -> dict:

@@ -53,6 +53,8 @@ MODELS = {
     "wrong_batch_dim": TWO_REGIONS +
     "def example_batch(b):\n    return torch.zeros(3, 4), torch.zeros(3, dtype=torch.long)\n",
     "not_a_pair": TWO_REGIONS + "def example_batch(b):\n    return torch.zeros(b, 4)\n",
+    "wrong_layer": TWO_REGIONS.replace("torch.nn.Linear(4, 3)", "torch.nn.Linear(5, 3)") +
+    "def example_batch(b):\n    return torch.zeros(b, 4), torch.zeros(b, dtype=torch.long)\n",
 }
 GPT_2 = "Place(('embed', 'layer.*'), stage=0, device=0)"  # the first of two stages
 # strategy files: each a Program that cannot be honoured
@@ -107,6 +109,10 @@ BAD = {
     "example_batch wrong feature shape": (["simulate", "{wrong_features}", "--gpus", "1"],
                                           ("{wrong_features}", "capturing the model failed",
                                            "[1, 5]")),
+    "a layer of the wrong size": (["simulate", "{wrong_layer}", "--gpus", "1"],
+                                  ("{wrong_layer}: capturing the model failed in module b "
+                                   "(Linear) at {wrong_layer}:12 (`return self.b(x)`)",
+                                   "[1, 4] X [5, 3]")),
     "example_batch wrong batch dimension": (["simulate", "{wrong_batch_dim}", "--gpus", "1"],
                                             ("{wrong_batch_dim}", "example_batch(1)",
                                              "batch dimension 1 first")),

@@ -4,6 +4,7 @@ dict in a safetensors file, loadable into the plain model with `load_state_dict(
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import torch
@@ -45,7 +46,9 @@ def export_weights(path: str, out: str) -> int:
         if not isinstance(m, TensorStorageMetadata):
             raise PiperError(f"{folder}: no tensor {key} (a checkpoint of another model?)")
         state[key] = torch.empty(m.size, dtype=m.properties.dtype)
-    dcp.load(state, checkpoint_id=str(folder), no_dist=True)
+    with warnings.catch_warnings():  # that one process reads it is the point, not news
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(state, checkpoint_id=str(folder), no_dist=True)
     tensors = {}
     for name, key in keys.items():  # a tied weight's other names get copies of their own
         t = state[key]

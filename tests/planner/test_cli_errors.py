@@ -110,7 +110,7 @@ BAD = {
                                           ("{wrong_features}", "capturing the model failed",
                                            "[1, 5]")),
     "a layer of the wrong size": (["simulate", "{wrong_layer}", "--gpus", "1"],
-                                  ("{wrong_layer}: capturing the model failed in module b "
+                                  ("{wrong_layer}: capturing the model failed in module b",
                                    "(Linear) at {wrong_layer}:12 (`return self.b(x)`)",
                                    "[1, 4] X [5, 3]")),
     "example_batch wrong batch dimension": (["simulate", "{wrong_batch_dim}", "--gpus", "1"],

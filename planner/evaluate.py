@@ -33,7 +33,7 @@ from planner.cache import EvaluationCache, evaluation_key
 from planner.memory_bound import device_peaks, early_reduce_scatter_stages
 from planner.repeats import PlanningCapture, planning_capture
 from planner.replicas import representative_replicas
-from runtime.lowering import apply_for, program_microbatch_size
+from runtime.lowering import apply_for, program_microbatch_size, split_failure
 from runtime.mesh import Mesh
 from runtime.plan import Plan
 from runtime.rank_stages import align
@@ -134,8 +134,7 @@ class Evaluator:
             try:
                 cap = planning_capture(self.spec, CAPTURE_BATCH, sharding, fold=self.fold)
             except PiperError as e:  # a one-line input error, as `capture_sharded` says it
-                raise Infeasible(f"{sharding.describe()}: the model does not run split this "
-                                 f"way (e.g. heads not divisible by tp): {e}") from None
+                raise Infeasible(split_failure(sharding, e)) from None
             assert cap.traffic is not None
             costs = with_precision(cap.costs, self.precision)
             self._sharded[sharding] = (costs, cap.traffic.in_precision(costs),

@@ -78,5 +78,13 @@ def capture_sharded(spec: ModelSpec, batch: int, sharding: ModelSharding) -> Cap
     try:
         return capture(spec, batch, sharding)
     except PiperError as e:
-        raise Infeasible(f"{sharding.describe()}: the model does not run split this way "
-                         f"(e.g. heads not divisible by tp): {e}") from None
+        raise Infeasible(split_failure(sharding, e)) from None
+
+
+def split_failure(sharding: ModelSharding, e: Exception) -> str:
+    """Why a sharded capture failed, as the capture said it, with what the split asks of
+    the model's code (no guessed cause)."""
+    asks = ("sequence parallelism runs the code between tensor-parallel layers on 1/tp of "
+            "the sequence; attention that needs the whole sequence there cannot" if sharding.sp
+            else "its code must run with 1/tp of the heads and features of each split layer")
+    return f"{sharding.describe()}: the model does not run split this way ({asks}): {e}"

@@ -246,3 +246,16 @@ def test_console_script_prints_one_line_and_no_traceback(tmp_path, model):
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and path in lines[0], lines
     assert r.stdout == ""
+
+
+def test_a_split_the_model_cannot_run_says_what_it_asks_not_a_guess(tmp_path, capsys):
+    """Llama's heads divide by 2; what fails under --sp is its attention on 1/tp of the
+    sequence, and the message says so and where (not "heads not divisible")."""
+    from tests.hf_models import write_config
+
+    folder = write_config(tmp_path / "llama", "llama")
+    assert main(["simulate", str(folder), "--gpus", "2", "--tp", "2", "--sp"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "heads not divisible" not in err
+    assert "sequence parallelism runs the code between tensor-parallel layers on 1/tp" in err
+    assert "in module model.layers.0.self_attn" in err

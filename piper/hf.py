@@ -11,7 +11,9 @@ loss itself (shifted inside), so no loss function is needed.
 
 from __future__ import annotations
 
+import difflib
 import fnmatch
+import json
 from pathlib import Path
 from typing import Any
 
@@ -87,12 +89,33 @@ def load_hf_model(path: str | Path, model_args: tuple[tuple[str, Any], ...] = ()
         notes=tuple(notes), index_attrs=("layer_idx",))
 
 
+def first_sentence(e: BaseException) -> str:
+    """An error's first sentence on one line: a message is shortened, not cut mid-word."""
+    text = " ".join(str(e).split())
+    cut = text.find(". ")
+    return text if cut < 0 else text[:cut + 1]
+
+
+def _nearest_model_type(transformers: Any, p: Path) -> str:
+    """'; did you mean model_type X?' when the config names a type transformers lacks."""
+    try:
+        wanted = json.loads((p / "config.json").read_text()).get("model_type")
+        known = list(transformers.models.auto.configuration_auto.CONFIG_MAPPING_NAMES)
+    except Exception:  # noqa: BLE001 - a hint only
+        return ""
+    if not isinstance(wanted, str) or wanted in known:
+        return ""
+    near = difflib.get_close_matches(wanted, known, n=1)
+    return f"; did you mean model_type {near[0]!r}?" if near else ""
+
+
 def _config(transformers: Any, p: Path, model_args: tuple[tuple[str, Any], ...]) -> Any:
     try:
         config = transformers.AutoConfig.from_pretrained(str(p), local_files_only=True)
     except Exception as e:  # noqa: BLE001 - a config transformers cannot read
         raise PiperError(f"{p}: not a Hugging Face config transformers can read: "
-                         f"{type(e).__name__}: {' '.join(str(e).split())[:200]}") from None
+                         f"{type(e).__name__}: {first_sentence(e).rstrip('.')}"
+                         f"{_nearest_model_type(transformers, p)}") from None
     for key, value in model_args:
         if not hasattr(config, key):
             raise PiperError(f"{p}: --model-arg {key}: {type(config).__name__} has no "

@@ -67,6 +67,17 @@ def test_unknown_tp_style_is_refused_by_name(tmp_path, folders) -> None:
     assert "colwise_gather_output" in spec.notes[0] and "up_proj" in spec.notes[0]
 
 
+def test_a_misspelt_model_type_is_one_whole_sentence_and_the_nearest_type(tmp_path,
+                                                                           folders) -> None:
+    cfg = json.loads((folders["llama"] / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "model_type": "lama"}))
+    with pytest.raises(PiperError) as e:
+        load_hf_model(tmp_path, seq_len=SEQ)
+    said = str(e.value)
+    assert said.endswith("does not recognize this architecture; did you mean model_type "
+                         "'llama'?"), said
+
+
 def test_model_args_override_config_fields(folders) -> None:
     spec = load_model(folders["llama"], (("num_hidden_layers", 2),), (("seq_len", SEQ),))
     assert piper.capture(spec, 1).graph.names == ("embed", "layer.0", "layer.1", "head")

@@ -157,7 +157,7 @@ def _drive(args: argparse.Namespace, torchrun: Any) -> int:
     tokens = batch * _tokens_per_sample(spec)
     log(f"running {summary_line(summary)} on {args.gpus} {device} workers, {train.precision}"
         + (f", from {folder} (step {done})" if folder else ""))
-    metrics = MetricsLog(args.log_dir, args.gpus) if args.log_dir else None
+    metrics = MetricsLog(args.log_dir, args.gpus, after=done) if args.log_dir else None
     predicted = predicted_of(args.strategy) if args.strategy else None
     try:
         with _job(args, spec, plan, batch, device, train, done, torchrun) as job:
@@ -282,7 +282,7 @@ def _progress(row: dict[str, Any], steps: int, predicted: dict | None = None) ->
     mfu = f"  MFU {row['mfu'] * 100:.1f}%" if row["mfu"] is not None else ""
     said = (f"  (search predicted {predicted['step_time_s'] * 1e3:.1f} ms, "
             f"{fmt_bytes(predicted['peak_memory_bytes'])} on its cluster)" if predicted else "")
-    return (f"step {row['step'] + 1}/{steps}  loss {row['loss']:.4f}  "
+    return (f"step {row['step']}/{steps}  loss {row['loss']:.4f}  "
             f"grad-norm {row['grad_norm']:.3f}  lr {row['lr']:.2e}  "
             f"{row['tokens_per_s']:,.0f} tokens/s{mfu}  "
             f"memory {fmt_bytes(max(row['peak_memory_bytes']))}  "

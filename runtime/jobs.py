@@ -32,7 +32,7 @@ class RuntimeFailure(Exception):
 
 @dataclass(frozen=True)
 class StepResult:
-    step: int
+    step: int  # from 1: the k-th step trained
     loss: float
     time_s: float  # the slowest rank's
     grad_norm: float = float("nan")  # of the whole model's gradient, before clipping
@@ -77,8 +77,9 @@ class Driver:
 
     def step(self) -> StepResult:
         """One training step on every rank: the loss summed over the output stage's ranks,
-        and the slowest rank's time."""
-        k = len(self.results) + self.done
+        and the slowest rank's time. Steps count from 1 (step k is the k-th trained, as
+        Megatron-LM and torchtitan number them, and a checkpoint after it is step-k)."""
+        k = len(self.results) + self.done + 1
         self.outs = self.call_all("step", f"step {k}")
         loss = sum(o.loss_sum for o in self.outs if o.loss_sum is not None)
         lrs = [o.lr for o in self.outs if o.lr == o.lr]  # a rank without parameters: nan

@@ -106,16 +106,16 @@ class Worker:
 
     def step(self) -> StepOutcome:
         assert self.ex is not None, "setup() first"
-        self.progress.phase(f"step {self.steps}")
+        self.progress.phase(f"step {self.steps + 1}")  # numbered from 1, as the driver does
         self.ex.report = self.progress.task
         out = self.ex.step()
-        self.progress.phase(f"after step {self.steps}")
+        self.progress.phase(f"after step {self.steps + 1}")
         self.steps += 1
         return out
 
     def save(self, folder: str) -> None:
         assert self.ex is not None, "setup() first"
-        self.progress.phase(f"saving a checkpoint after step {self.steps - 1}")
+        self.progress.phase(f"saving a checkpoint after step {self.steps}")
         self.ex.save(folder)
 
     def load(self, folder: str) -> None:

@@ -192,4 +192,4 @@ def test_killed_worker_then_resume_loses_no_step(ray_session, capsys, tmp_path):
     rc = main([*argv, "--resume", "--check"])
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert rc == 0 and out["check"]["passed"]
-    assert [s["step"] for s in out["steps"]] == [done, done + 1]
+    assert [s["step"] for s in out["steps"]] == [done + 1, done + 2]

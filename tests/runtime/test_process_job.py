@@ -43,7 +43,7 @@ def test_local_launcher_trains_like_one_device(capsys, case):
                "--launcher", "local", "--check", "--json"])
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert rc == 0 and out["check"]["passed"], out.get("check")
-    assert [s["step"] for s in out["steps"]] == [0, 1, 2]
+    assert [s["step"] for s in out["steps"]] == [1, 2, 3]
 
 
 @pytest.mark.parametrize("case", ["pp2", "tp2"])
@@ -70,7 +70,7 @@ def test_a_checkpoint_saved_under_ray_resumes_under_torchrun(ray_session, capsys
                      "--check", "--json"])
     assert proc.returncode == 0, proc.stderr[-2000:]
     out = last_json(proc.stdout)
-    assert [s["step"] for s in out["steps"]] == [2, 3], "no step lost or repeated"
+    assert [s["step"] for s in out["steps"]] == [3, 4], "no step lost or repeated"
     assert out["check"]["passed"] and out["check"]["max_rel_diff"] <= 1e-4
     assert sorted(p.name for p in ckpt.iterdir()) == ["step-0000002", "step-0000004"]
 
@@ -87,7 +87,7 @@ def test_a_rank_failing_mid_step_under_torchrun_is_named_by_rank_0():
                      *STRATEGIES["pp2"], "--steps", "2", "--launcher", "torchrun"],
                     env={**os.environ, "PIPER_TEST_FAIL_RANK": "1"})
     assert proc.returncode != 0
-    assert ("error: rank 1 failed during step 0 while running task F1.0: RuntimeError: "
+    assert ("error: rank 1 failed during step 1 while running task F1.0: RuntimeError: "
             "injected failure on rank 1") in proc.stderr, proc.stderr[-2000:]
 
 

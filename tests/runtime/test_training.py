@@ -90,12 +90,12 @@ def test_three_steps_then_resume_equals_six_uninterrupted(ray_session, capsys, t
     ckpt, logs = tmp_path / "ckpt", tmp_path / "logs"
     rc, out = run_json(capsys, ["run", *model, *first, *TRAIN, "--steps", "3",
                                 "--checkpoint-dir", str(ckpt), "--log-dir", str(logs)])
-    assert rc == 0 and [s["step"] for s in out["steps"]] == [0, 1, 2]
+    assert rc == 0 and [s["step"] for s in out["steps"]] == [1, 2, 3]
     assert sorted(p.name for p in ckpt.iterdir()) == ["step-0000003"]
     rc, out = run_json(capsys, ["run", *model, *then, *TRAIN, "--steps", "6",
                                 "--checkpoint-dir", str(ckpt), "--resume", "--check"])
     assert rc == 0
-    assert [s["step"] for s in out["steps"]] == [3, 4, 5], "no step lost or repeated"
+    assert [s["step"] for s in out["steps"]] == [4, 5, 6], "no step lost or repeated"
     assert out["check"]["passed"] and out["check"]["max_rel_diff"] <= 1e-4
     spec = load_model_file(model[0], parse_model_args(model[2::2]))
     state: dict = {}
@@ -138,7 +138,7 @@ def _check_metrics(logs: Path, steps: int, ranks: int) -> None:
     for tag in want:
         assert [e.step for e in acc.Scalars(tag)] == list(range(1, steps + 1)), tag
     rows = [json.loads(line) for line in (logs / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == list(range(steps))
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))
     assert all(r["loss"] > 0 and r["grad_norm"] > 0 and r["tokens_per_s"] > 0 for r in rows)
     loss = [e.value for e in acc.Scalars("train/loss")]
     assert loss == pytest.approx([r["loss"] for r in rows], rel=1e-6)
@@ -174,5 +174,5 @@ def test_driver_killed_while_saving_leaves_the_previous_checkpoint(ray_session, 
     assert all((ckpt / d / "piper.json").is_file() for d in complete)
     step = int(complete[-1].split("-")[1])
     rc, out = run_json(capsys, [*argv[:-2], "--steps", str(step + 2), "--resume", "--check"])
-    assert rc == 0 and out["steps"][0]["step"] == step
+    assert rc == 0 and out["steps"][0]["step"] == step + 1
     assert out["check"]["passed"]

@@ -26,6 +26,9 @@ from piper.directives import (
 )
 from piper.program import Program
 
+NO_PIPELINE = "none"
+"""The name of a one-stage program's schedule: each microbatch's forward then backward."""
+
 
 def _base(stages: Sequence[Sequence[str]], microbatches: int, dp: int,
           pp: int | None = None, zero: int = 0, split_backward: bool = False
@@ -70,13 +73,15 @@ def one_f_one_b_order(stage: int, pp: int, microbatches: int) -> list[str]:
 
 def one_f_one_b(stages: Sequence[Sequence[str]], *, microbatches: int, dp: int = 1,
                 zero: int = 0, pp: int | None = None) -> Program:
-    """1F1B (PipeDream-flush): at most pp microbatches in flight on the first stage."""
+    """1F1B (PipeDream-flush): at most pp microbatches in flight on the first stage. On one
+    stage there is no pipeline: a forward and a backward per microbatch (gradient
+    accumulation, Megatron-LM's `forward_backward_no_pipelining`), named `NO_PIPELINE`."""
     _one_stage_per_device("1f1b", stages, pp)
     ds = _base(stages, microbatches, dp, zero=zero)
     pp = len(stages)
     for s in range(pp):
         ds.append(Order(s, " ".join(one_f_one_b_order(s, pp, microbatches))))
-    return Program(ds, name="1f1b")
+    return Program(ds, name="1f1b" if pp > 1 else NO_PIPELINE)
 
 
 def interleaved_order(device: int, pp: int, virtual: int, microbatches: int) -> list[str]:

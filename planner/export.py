@@ -64,6 +64,11 @@ def predicted_of(path: str) -> dict | None:
     return None
 
 
+TRIAL_COLUMNS = ("dp", "pp", "tp", "sp", "ep", "zero", "schedule", "virtual_stages",
+                 "microbatches", "recompute", "comm_stream", "bucket_mb")
+"""trials.csv's strategy columns: every figure of a Program's summary."""
+
+
 def write_outputs(out: Path, spec: ModelSpec, cluster: str, gpus: int, batch_size: int,
                   result: SearchResult, precision: str = "fp32") -> dict[str, Path]:
     out.mkdir(parents=True, exist_ok=True)
@@ -78,13 +83,13 @@ def write_outputs(out: Path, spec: ModelSpec, cluster: str, gpus: int, batch_siz
     trials = out / "trials.csv"
     with trials.open("w", newline="") as f:
         w = csv.writer(f)
-        w.writerow(["trial", "dp", "pp", "microbatches", "schedule", "step_time_s",
-                    "tokens_per_s", "mfu", "max_peak_memory_bytes", "feasible"])
+        w.writerow(["trial", *TRIAL_COLUMNS, "step_time_s", "tokens_per_s", "mfu",
+                    "max_peak_memory_bytes", "feasible"])
         for r in sorted(result.records, key=lambda r: r.number):
             s, p = r.summary, r.predicted
-            w.writerow([r.number, s["dp"], s["pp"], s["microbatches"], s["schedule"],
-                        p["step_time_s"], p["tokens_per_s"], p["mfu"],
-                        max(p["peak_memory_bytes"]), r.feasible])
+            w.writerow([r.number, *(s.get(c) for c in TRIAL_COLUMNS), p["step_time_s"],
+                        p["tokens_per_s"], p["mfu"], max(p["peak_memory_bytes"]),
+                        r.feasible])
     summary = out / "summary.txt"
     summary.write_text(
         f"{result.trials} trials, {result.feasible_trials} feasible, "

@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from piper.schedules import NO_PIPELINE
+
 if TYPE_CHECKING:  # simulate prints with this module and must not need Optuna
     from planner.records import TrialRecord
 
@@ -16,9 +18,9 @@ def fmt_bytes(n: float) -> str:
 
 
 def summary_line(s: dict[str, Any]) -> str:
-    """A strategy in one line; a schedule is named only where there is a pipeline."""
-    schedule = (f"schedule={s['schedule']} v={s['virtual_stages']} " if s["pp"] > 1
-                else "")
+    """A strategy in one line; a schedule is named only where there is one to name."""
+    schedule = (f"schedule={s['schedule']} v={s['virtual_stages']} "
+                if s["schedule"] != NO_PIPELINE else "")
     return (f"dp={s['dp']} pp={s['pp']} tp={s['tp']}{' sp' if s.get('sp') else ''} "
             f"ep={s['ep']} zero={s['zero']} {schedule}mb={s['microbatches']}"
             + (" recompute" if s["recompute"] else "")
@@ -30,7 +32,7 @@ def unused(s: dict[str, Any]) -> list[str]:
     """The degrees of freedom a strategy leaves alone, and what that rules out."""
     out = []
     if s["pp"] == 1:
-        out.append("no pipeline (pp=1: no stages, no schedule)")
+        out.append("no pipeline (pp=1: one stage, no pipeline schedule)")
     if s["dp"] == 1:
         out.append("no data parallelism (dp=1: no ZeRO, buckets or comm stream)")
     if s["tp"] == 1:
@@ -64,7 +66,7 @@ def results_table(records: Sequence[TrialRecord], top: int = 10) -> str:
         s, p = r.summary, r.predicted
         lines.append(f"{r.number:>4} {s['dp']:>4} {s['pp']:>3} {s['tp']:>2} {s['ep']:>2} "
                      f"{s['zero']:>4} {s['microbatches']:>4} "
-                     f"{s['schedule'] if s['pp'] > 1 else '-':<16} {_options(s):<9} "
+                     f"{s['schedule']:<16} {_options(s):<9} "
                      f"{p['step_time_s'] * 1e3:>10.2f} "
                      f"{p['tokens_per_s']:>12,.0f} {p['mfu'] * 100:>5.1f}% "
                      f"{fmt_bytes(max(p['peak_memory_bytes'])):>11} "

@@ -84,6 +84,10 @@ def run(args: argparse.Namespace) -> int:
         if torchrun.rank != 0:
             serve(torchrun.store, torchrun.rank, torchrun.world, torchrun.place())
             return 0
+    elif args.launcher == "local":
+        from runtime.process_ranks import prestart
+
+        prestart()  # the ranks' imports, on the other core while this one plans
     try:
         rc = _drive(args, torchrun)
     finally:

@@ -128,7 +128,8 @@ def search(args: argparse.Namespace) -> int:
         f"{parts[top].line()}\n"
         + (f"      {'; '.join(left)}\n" if left else "")
         + f"wrote {files['strategy_file']} and {files['strategy_json']} ({total:.1f} s), "
-        f"{files['timeline'].name}, {files['pareto'].name} and {files['trace'].name}")
+        f"{files['timeline'].name}, {files['pareto'].name}, {files['trace'].name}, "
+        f"{files['trials'].name} (every trial) and {files['summary'].name}")
     for w in warnings:
         log(f"warning: {w}")
     if args.json:

@@ -44,7 +44,9 @@ def test_program_round_trips_through_json_and_python(dag0: TrainingDAG, name: st
     from_python = run_python(p.to_python())
     assert from_json == p
     assert from_python == p
-    assert from_json.name == from_python.name == name
+    # one stage has no pipeline: 1F1B's order there is gradient accumulation's
+    assert from_json.name == from_python.name == (
+        schedules.NO_PIPELINE if pp == 1 and name == "1f1b" else name)
     n = p.apply(dag0).graph.number_of_nodes()
     assert from_json.apply(dag0).graph.number_of_nodes() == n
     assert from_python.apply(dag0).graph.number_of_nodes() == n

@@ -68,5 +68,5 @@ def test_search_prints_each_warning_once_and_lists_them_in_json(capsys, tmp_path
                               "of the 8 devices")
     assert isinstance(out["best"]["unused"], list)
     s = out["best"]["summary"]
-    assert ("no pipeline (pp=1: no stages, no schedule)" in out["best"]["unused"]) == \
+    assert ("no pipeline (pp=1: one stage, no pipeline schedule)" in out["best"]["unused"]) == \
         (s["pp"] == 1)

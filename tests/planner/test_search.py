@@ -374,3 +374,33 @@ def test_simulate_prices_tensor_parallelism_across_nodes_instead_of_refusing_it(
     rc, inside = run_json(capsys, [*common, "--tp", "8", "--dp", "2"])
     assert rc == 0
     assert across["predicted"]["step_time_s"] > inside["predicted"]["step_time_s"]
+
+
+def test_every_output_names_a_strategy_the_same_way(searched):
+    """trials.csv, summary.txt's table, the study and best_strategy.py agree on each
+    strategy (a pp=1 strategy's schedule is `none` in each), and trials.csv has every
+    figure of the summary."""
+    import csv
+
+    from planner.export import TRIAL_COLUMNS
+
+    _, out, res = searched
+    rows = list(csv.DictReader((out / "trials.csv").open()))
+    assert set(TRIAL_COLUMNS) <= set(rows[0]) and {"tp", "sp", "ep", "zero", "recompute"} <= set(
+        rows[0])
+    study = optuna.load_study(study_name="piper-plan", storage=f"sqlite:///{out}/study.db")
+    names = {t.number: t.user_attrs["program"]["name"] for t in study.trials
+             if "program" in t.user_attrs}
+    for r in rows:
+        assert r["schedule"] == names[int(r["trial"])]
+        assert (r["schedule"] == "none") == (r["pp"] == "1"), r
+    assert any(r["pp"] == "1" for r in rows) and any(r["pp"] != "1" for r in rows)
+    by_trial = {r["trial"]: r for r in rows}
+    table = [line.split() for line in (out / "summary.txt").read_text().splitlines()
+             if line.strip()[:1].isdigit() and len(line.split()) > 8]
+    assert table
+    for cells in table:  # trial dp pp tp ep zero mb schedule ...
+        assert cells[7] == by_trial[cells[0]]["schedule"], cells
+    best = res["best"]
+    assert f"name={best['program']['name']!r}" in (out / "best_strategy.py").read_text()
+    assert best["summary"]["schedule"] == best["program"]["name"]

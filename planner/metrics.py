@@ -37,6 +37,8 @@ class MetricsLog:
         for key in SCALARS:
             if row.get(key) is not None:
                 self.writer.add_scalar(f"train/{key}", row[key], step)
+        if row.get("eval_loss") is not None:  # as torchtitan and Megatron-LM name it
+            self.writer.add_scalar("validation/loss", row["eval_loss"], step)
         for r, b in enumerate(row["peak_memory_bytes"]):
             self.writer.add_scalar(f"memory/peak_bytes_rank{r}", b, step)
         self.writer.flush()

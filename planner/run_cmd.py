@@ -35,9 +35,18 @@ def add_train_flags(r: argparse.ArgumentParser) -> None:
                         "fp32 master weights and optimizer), or bf16")
     r.add_argument("--reduce-dtype", choices=["fp32", "bf16"], default="fp32",
                    help="dtype of gradient all-reduces and reduce-scatters")
-    r.add_argument("--data", metavar="FILE", help="pre-tokenized token file (flat uint16 or "
-                   "uint32 array); default: the model file's train_batches or example_batch")
+    r.add_argument("--data", metavar="FILE", nargs="+",
+                   help="pre-tokenized token file (flat uint16 or uint32 array), or a blend "
+                        "of weighted files as Megatron-LM blends them (0.7:a.bin 0.3:b.bin); "
+                        "default: the model file's train_batches or example_batch")
     r.add_argument("--data-dtype", choices=["uint16", "uint32"], default="uint16")
+    r.add_argument("--eval-data", metavar="FILE", nargs="+",
+                   help="held-out token file (or blend), read in order: its loss is shown "
+                        "beside the step and logged as eval_loss")
+    r.add_argument("--eval-every", type=int, default=0, metavar="K",
+                   help="evaluate every K steps (default 0: after the last step only)")
+    r.add_argument("--eval-steps", type=int, default=4, metavar="N",
+                   help="global batches of --eval-data each evaluation averages (default 4)")
     r.add_argument("--lr", type=float, help="learning rate (default: the model's optimizer's)")
     r.add_argument("--weight-decay", type=float)
     r.add_argument("--warmup", type=int, default=0, metavar="STEPS")
@@ -64,7 +73,16 @@ def train_config(args: argparse.Namespace, device: str) -> TrainConfig:
         precision=precision, reduce_dtype=args.reduce_dtype, lr=args.lr,
         weight_decay=args.weight_decay, warmup=args.warmup, lr_schedule=args.lr_schedule,
         min_lr=args.min_lr, decay_steps=args.lr_decay_steps or args.steps,
-        clip_grad=args.clip_grad, data=args.data, data_dtype=args.data_dtype).check()
+        clip_grad=args.clip_grad, data=_files(args.data), data_dtype=args.data_dtype,
+        eval_data=_files(args.eval_data), eval_every=args.eval_every,
+        eval_steps=args.eval_steps).check()
+
+
+def _files(items: list[str] | None) -> str | tuple[str, ...] | None:
+    """One file as its path, a blend as its items (`runtime.data.parse_blend`)."""
+    if not items:
+        return None
+    return items[0] if len(items) == 1 else tuple(items)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -142,6 +160,9 @@ def _drive(args: argparse.Namespace, torchrun: Any) -> int:
     train = train_config(args, device)
     batch = _batch(args, spec)
     BatchSource(spec, batch, args.seed, train.data, train.data_dtype)  # bad data: exit 2 now
+    if train.eval_data:
+        BatchSource(spec, batch, args.seed, train.eval_data, train.data_dtype, shuffle=False,
+                    flag="--eval-data")
     done, folder = _resume_point(args, spec, batch) if args.resume else (0, None)
     if done >= args.steps:
         log(f"{folder} is at step {done}: nothing to train up to --steps {args.steps}")
@@ -163,6 +184,7 @@ def _drive(args: argparse.Namespace, torchrun: Any) -> int:
         + (f", from {folder} (step {done})" if folder else ""))
     metrics = MetricsLog(args.log_dir, args.gpus, after=done) if args.log_dir else None
     predicted = predicted_of(args.strategy) if args.strategy else None
+    evals: dict[int, float] = {}  # step: loss on the evaluation data after it
     try:
         with _job(args, spec, plan, batch, device, train, done, torchrun) as job:
             if len(set(job.nodes)) > 1:
@@ -175,6 +197,8 @@ def _drive(args: argparse.Namespace, torchrun: Any) -> int:
                        "time_s": s.time_s, "tokens_per_s": tokens / s.time_s,
                        "mfu": flops / s.time_s / (peak * args.gpus) if peak else None,
                        "peak_memory_bytes": list(s.peak_memory_bytes)}
+                if train.evaluates_after(s.step, args.steps):
+                    row["eval_loss"] = evals[s.step] = job.evaluate(train.eval_steps)
                 print(_progress(row, args.steps, predicted), file=sys.stderr, flush=True)
                 predicted = None  # said once, beside the first step
                 if metrics:
@@ -195,7 +219,9 @@ def _drive(args: argparse.Namespace, torchrun: Any) -> int:
         write_trace(result.spans, args.trace)
     out: dict[str, Any] = {
         "steps": [{"step": s.step, "loss": s.loss, "time_s": s.time_s,
-                   "grad_norm": s.grad_norm, "lr": s.lr} for s in result.steps],
+                   "grad_norm": s.grad_norm, "lr": s.lr,
+                   **({"eval_loss": evals[s.step]} if s.step in evals else {})}
+                  for s in result.steps],
         "peak_memory_bytes": list(result.peak_memory_bytes),
         "summary": summary,
         "precision": train.precision,
@@ -205,7 +231,10 @@ def _drive(args: argparse.Namespace, torchrun: Any) -> int:
     if args.check:
         ref = reference_run(spec, batch_size=batch, steps=args.steps, seed=args.seed,
                             train=train)[done:]
-        diff = max_rel_diff([s.loss for s in result.steps], [r.loss for r in ref])
+        ours = [s.loss for s in result.steps] + [evals[k] for k in sorted(evals)]
+        theirs = [r.loss for r in ref] + [r.eval_loss for k, r in enumerate(ref, done + 1)
+                                          if k in evals]
+        diff = max_rel_diff(ours, theirs)  # type: ignore[arg-type]
         passed = diff <= CHECK_RTOL[train.precision]
         out["check"] = {"passed": passed, "max_rel_diff": diff,
                         "rtol": CHECK_RTOL[train.precision]}
@@ -290,4 +319,5 @@ def _progress(row: dict[str, Any], steps: int, predicted: dict | None = None) ->
             f"grad-norm {row['grad_norm']:.3f}  lr {row['lr']:.2e}  "
             f"{row['tokens_per_s']:,.0f} tokens/s{mfu}  "
             f"memory {fmt_bytes(max(row['peak_memory_bytes']))}  "
-            f"{row['time_s'] * 1e3:.1f} ms{said}")
+            f"{row['time_s'] * 1e3:.1f} ms{said}"
+            + (f"  eval-loss {row['eval_loss']:.4f}" if "eval_loss" in row else ""))

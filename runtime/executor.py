@@ -23,6 +23,7 @@ from piper.lanes import ComputeToken, computing, lane
 from piper.model_file import ModelSpec
 from runtime.buckets import early_reduce_scatters, reduce_grads, stage_buckets
 from runtime.data import BatchSource, slice_tree
+from runtime.evaluation import forward_order
 from runtime.holdings import holdings
 from runtime.layout import Slicing
 from runtime.memory import MemoryLedger, SavedTensors
@@ -166,6 +167,8 @@ class RankExecutor:
             lambda t: groups[self.mesh.lift(t.group, self.tp_rank)], train.grad_reduce_dtype)
         self.early_rs = early_reduce_scatters(plan)
         self.source = BatchSource(spec, batch_size, seed, train.data, train.data_dtype)
+        self.eval_source: BatchSource | None = None  # built at the first evaluation
+        self.batch_size, self.seed = batch_size, seed
         per_replica = batch_size // plan.dp
         self.mb_size = per_replica // plan.microbatches
         self.rows = (self.rp.replica * per_replica, (self.rp.replica + 1) * per_replica)
@@ -294,6 +297,32 @@ class RankExecutor:
         has_loss = self.plan.output_stage in self.rp.stages and self.tp_rank == 0
         return StepOutcome(st.loss_sum if has_loss else None, elapsed, self.ledger.peak(),
                            self.ledger.model_state_peak(), st.spans, grad_norm, lr)
+
+    def evaluate(self, batches: int) -> float | None:
+        """The mean loss of the first `batches` global batches of the evaluation data,
+        through this strategy's forwards alone (`runtime.evaluation`); None on a rank
+        without the loss (summed over ranks, as a step's)."""
+        if self.eval_source is None:
+            self.eval_source = BatchSource(self.spec, self.batch_size, self.seed,
+                                           self.train.eval_data, self.train.data_dtype,
+                                           shuffle=False, flag="--eval-data")
+        order = forward_order(self.rp)
+        total = 0.0
+        with torch.no_grad(), self.streams.on(COMPUTE_STREAM), lane(0):
+            for b in range(batches):
+                inputs, targets = self.eval_source.rows(b, *self.rows)
+                self.batch = tuple(t.to(self.device) for t in inputs)
+                self.targets = to_device(targets, self.device)
+                st = StepState({})
+                for task in order:
+                    self._run_task(task, st)
+                    if task.kind is Kind.FWD:
+                        st.saved.pop((task.stage, task.mb))
+                for work, _ in st.pending:
+                    work.wait()
+                total += st.loss_sum
+        has_loss = self.plan.output_stage in self.rp.stages and self.tp_rank == 0
+        return total / batches if has_loss else None
 
     def _run_stream(self, stream: str, tasks: tuple[Task, ...], st: StepState) -> None:
         try:  # the pair lane's in-graph collectives have communicators of their own

@@ -89,6 +89,13 @@ class Driver:
         self.peaks = [max(p, o.peak_memory_bytes) for p, o in zip(self.peaks, self.outs)]
         return self.results[-1]
 
+    def evaluate(self, batches: int) -> float:
+        """The loss on the first `batches` batches of the evaluation data, after the steps
+        so far (every rank's forwards; no state changes)."""
+        step = len(self.results) + self.done
+        outs = self.call_all("evaluate", f"evaluation after step {step}", batches)
+        return sum(o for o in outs if o is not None)
+
     def save(self, root: str, info: dict[str, Any]) -> str:
         """A checkpoint of the steps so far under `root` (`runtime.checkpoint`): every rank
         writes its part into a temporary folder, which becomes the latest checkpoint only

@@ -20,6 +20,7 @@ from piper.errors import PiperError
 from piper.model_file import ModelSpec
 from runtime import progress
 from runtime.cluster import cluster_address, connect, disconnect, remote_source
+from runtime.data import parse_blend
 from runtime.jobs import (
     DEADLINE_SLACK_S,
     GRACE_S,
@@ -148,8 +149,12 @@ class Job(Driver):
         shipped), `--data`, and each shared folder (a marker written here must be seen
         there, so a folder that merely exists on each node does not pass)."""
         needs = {"the model": remote_source(spec.source)[0]}  # a folder: with its weights
-        if train and train.data:
-            needs["--data"] = os.path.abspath(train.data)
+        for flag, data in (("--data", train and train.data),
+                           ("--eval-data", train and train.eval_data)):
+            files = parse_blend(data or None, flag)
+            for k, (_, path) in enumerate(files):
+                what = flag if len(files) == 1 else f"{flag}'s file {k + 1} of {len(files)}"
+                needs[what] = os.path.abspath(path)
         markers = []
         for folder in shared:
             os.makedirs(folder, exist_ok=True)

@@ -17,6 +17,7 @@ class ReferenceStep:
     loss: float
     grad_norm: float
     lr: float
+    eval_loss: float | None = None  # after this step's update, if the run evaluates then
 
 
 def reference_run(spec: ModelSpec, *, batch_size: int, steps: int, seed: int,
@@ -38,6 +39,8 @@ def reference_run(spec: ModelSpec, *, batch_size: int, steps: int, seed: int,
     opt = make_optimizer(spec, model.parameters(), train)
     sched = make_scheduler(opt, train)
     source = BatchSource(spec, batch_size, seed, train.data, train.data_dtype)
+    evals = BatchSource(spec, batch_size, seed, train.eval_data, train.data_dtype,
+                        shuffle=False, flag="--eval-data") if train.eval_data else None
     autocast = (torch.autocast("cpu", dtype=torch.bfloat16)
                 if train.precision == "bf16-mixed" else nullcontext())
     out = []
@@ -55,10 +58,26 @@ def reference_run(spec: ModelSpec, *, batch_size: int, steps: int, seed: int,
         opt.step()
         sched.step()
         opt.zero_grad(set_to_none=True)
-        out.append(ReferenceStep(float(loss.detach()), float(norm), float(lr)))
+        held = None
+        if train.evaluates_after(k + 1, steps):
+            held = _evaluate(spec, model, evals, train.eval_steps, batch_size, autocast)
+        out.append(ReferenceStep(float(loss.detach()), float(norm), float(lr), held))
     if state is not None:
         state.update(model.state_dict())
     return out
+
+
+def _evaluate(spec: ModelSpec, model: torch.nn.Module, evals: BatchSource | None,
+              batches: int, batch_size: int, autocast: object) -> float:
+    """Mean loss over the first `batches` evaluation batches, without gradients."""
+    assert evals is not None
+    total = 0.0
+    with torch.no_grad():
+        for b in range(batches):
+            args, kwargs, targets = evals.structured(b, 0, batch_size)
+            with autocast:  # type: ignore[attr-defined]
+                total += float(spec.loss_fn(model(*args, **kwargs), targets))
+    return total / batches
 
 
 def reference_losses(spec: ModelSpec, *, batch_size: int, steps: int, seed: int,

@@ -34,8 +34,11 @@ class TrainConfig:
     min_lr: float = 0.0
     decay_steps: int = 0  # the schedule's horizon (0: no decay horizon given)
     clip_grad: float | None = None
-    data: str | None = None  # a pre-tokenized token file
+    data: str | tuple[str, ...] | None = None  # a token file, or a blend (`runtime.data`)
     data_dtype: str = "uint16"
+    eval_data: str | tuple[str, ...] | None = None  # held-out tokens, read in order
+    eval_every: int = 0  # evaluate after every this many steps (0: after the last only)
+    eval_steps: int = 4  # global batches of eval_data each evaluation averages
 
     def check(self) -> TrainConfig:
         """Every field valid, or a `PiperError` naming the flag."""
@@ -55,9 +58,21 @@ class TrainConfig:
             raise PiperError(f"--warmup must be >= 0 steps, got {self.warmup}")
         if self.clip_grad is not None and not self.clip_grad > 0:
             raise PiperError(f"--clip-grad must be > 0, got {self.clip_grad}")
+        if self.eval_every < 0 or self.eval_steps < 1:
+            raise PiperError(f"--eval-every must be >= 0 and --eval-steps >= 1, got "
+                             f"{self.eval_every} and {self.eval_steps}")
+        if self.eval_data and not self.data:
+            raise PiperError("--eval-data needs --data (a model file's own batches have no "
+                             "held-out counterpart)")
         if self.data_dtype not in ("uint16", "uint32"):
             raise PiperError(f"--data-dtype must be uint16 or uint32, got {self.data_dtype!r}")
         return self
+
+    def evaluates_after(self, step: int, steps: int) -> bool:
+        """Whether the run evaluates after step `step` (from 1) of `steps`: every
+        `eval_every` steps and after the last, when there is evaluation data."""
+        return bool(self.eval_data) and ((self.eval_every > 0 and step % self.eval_every == 0)
+                                         or step == steps)
 
     @property
     def compute_dtype(self) -> torch.dtype:

@@ -113,6 +113,11 @@ class Worker:
         self.steps += 1
         return out
 
+    def evaluate(self, batches: int) -> float | None:
+        assert self.ex is not None, "setup() first"
+        self.progress.phase(f"evaluating after step {self.steps}")
+        return self.ex.evaluate(batches)
+
     def save(self, folder: str) -> None:
         assert self.ex is not None, "setup() first"
         self.progress.phase(f"saving a checkpoint after step {self.steps}")

@@ -81,3 +81,45 @@ def test_lr_schedules(schedule):
         assert f[60] == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.5)))
     if schedule == "wsd":
         assert f[85] == pytest.approx(1.0) and f[100] < 1.0
+
+
+def _two_sources(tmp_path):
+    """Token files whose ids tell them apart: a.bin holds ids < 64, b.bin ids >= 64."""
+    a, b = tmp_path / "a.bin", tmp_path / "b.bin"
+    rng = np.random.default_rng(0)
+    rng.integers(0, 64, 40_000).astype(np.uint16).tofile(a)
+    rng.integers(64, 128, 40_000).astype(np.uint16).tofile(b)
+    return str(a), str(b)
+
+
+def test_a_blend_follows_its_weights_and_every_strategy_sees_the_same_batches(spec, tmp_path):
+    a, b = _two_sources(tmp_path)
+    blend = [f"0.7:{a}", f"0.3:{b}"]
+    src = BatchSource(spec, 8, seed=0, data=blend)
+    from_a = []
+    for step in range(100):
+        inputs, _ = src.rows(step, 0, 8)
+        from_a += [bool((row < 64).all()) for row in inputs[0]]
+        assert all(bool((row < 64).all() or (row >= 64).all()) for row in inputs[0])
+        # a rank of any strategy reads its rows of the same global batch
+        for rows in ((0, 4), (4, 8), (2, 6)):
+            assert torch.equal(BatchSource(spec, 8, seed=0, data=blend).rows(step, *rows)[0][0],
+                               inputs[0][rows[0]:rows[1]])
+    share = sum(from_a) / len(from_a)
+    assert abs(share - 0.7) <= 3 * math.sqrt(0.7 * 0.3 / len(from_a)), share
+    # each file's samples are its own windows in its own order: none repeats within an epoch
+    seen = [tuple(r.tolist()) for s in range(20) for r in src.rows(s, 0, 8)[0][0]]
+    assert len(set(seen)) == len(seen)
+
+
+@pytest.mark.parametrize("items, needle", [
+    (["0.7:{a}", "{b}"], "each with its weight"),
+    (["0:{a}", "1:{b}"], "weights must be finite and > 0"),
+])
+def test_a_bad_blend_is_one_error_line(capsys, tmp_path, items, needle):
+    a, b = _two_sources(tmp_path)
+    argv = ["run", GPT, "--model-arg", "size=tiny", "--gpus", "2", "--dp", "2", "--data",
+            *(i.format(a=a, b=b) for i in items)]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: --data") and needle in err[0], err

@@ -40,6 +40,8 @@ sys.path.insert(0, str(ROOT))
 from scipy import stats
 
 from cost_models import ClusterSpec, load_cluster
+from cost_models.accuracy import ALL
+from cost_models.accuracy import PATH as ACCURACY_PATH
 from piper.model_file import load_model_file
 from piper.pyfile import import_user_file
 from planner.evaluate import Evaluator
@@ -421,11 +423,30 @@ def report(results: list[Result]) -> dict:
     return summary
 
 
+def write_accuracy(path: Path, results: list[Result]) -> None:
+    """Per catalog cluster (and over all rows): runs, MAPE and mean signed error."""
+    groups: dict[str, list[Result]] = defaultdict(list)
+    for r in results:
+        groups[r.run.cluster].append(r)
+    groups[ALL] = list(results)
+    clusters = {name: {"runs": len(rs), "mape_pct": round(mape(rs), 2),
+                       "signed_pct": round(100 * statistics.fmean(r.error for r in rs), 2),
+                       "sources": sorted({r.run.source for r in rs})}
+                for name, rs in sorted(groups.items())}
+    path.write_text(json.dumps({"measured": time.strftime("%Y-%m-%d"),
+                                "command": "python benchmarks/published_runs.py --accuracy",
+                                "clusters": clusters}, indent=1) + "\n")
+    print(f"wrote {path}")
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--source", action="append", choices=sorted(SOURCES),
                    help="only these sources (repeatable; default all)")
     p.add_argument("--json", type=Path, help="write every row and the summary here")
+    p.add_argument("--accuracy", type=Path, nargs="?", const=ACCURACY_PATH,
+                   help="write the error per catalog cluster, which `search` prints "
+                        f"(default: {ACCURACY_PATH.relative_to(ROOT)})")
     args = p.parse_args()
     runs = [r for name in (args.source or SOURCES) for r in SOURCES[name]()]
     evaluators = Evaluators()
@@ -435,6 +456,8 @@ def main() -> int:
         results.append(simulate(run, evaluators))
     summary = report(results)
     print(f"\n{len(results)} rows simulated in {time.perf_counter() - start:.0f} s")
+    if args.accuracy:
+        write_accuracy(args.accuracy, results)
     if args.json:
         args.json.write_text(json.dumps({"summary": summary, "rows": [
             {**dataclasses.asdict(r.run), "predicted_s": r.predicted_s,

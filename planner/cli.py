@@ -14,6 +14,7 @@ import sys
 from typing import Any, NoReturn
 
 from piper.errors import PiperError
+from piper.model_file import DEFAULT_BATCH_SIZE
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_RUNTIME = 0, 1, 2, 3
 DEFAULT_CLUSTER = "h100-80gb"
@@ -57,7 +58,10 @@ def build_parser() -> argparse.ArgumentParser:
         c.add_argument("--gpus", type=int, required=True, help="devices to plan for")
         c.add_argument("--model-arg", action="append", metavar="KEY=VALUE",
                        help="keyword argument for build_model (repeatable)")
-        c.add_argument("--batch-size", type=int, help="global batch (default: BATCH_SIZE)")
+        c.add_argument("--batch-size", type=int,
+                       help="global batch, in samples (default: the model file's BATCH_SIZE, "
+                            f"else {DEFAULT_BATCH_SIZE}; a Hugging Face model: "
+                            f"{DEFAULT_BATCH_SIZE} sequences)")
         c.add_argument("--seq-len", type=int, help="tokens per sequence (Hugging Face models; "
                        "default: the context, at most 2048)")
         c.add_argument("--seed", type=int, default=0)

@@ -17,6 +17,7 @@ from piper.errors import PiperError
 
 
 def search(args: argparse.Namespace) -> int:
+    from cost_models.accuracy import accuracy_line
     from planner.advice import warnings_for
     from planner.cli import (
         EXIT_FAILED,
@@ -132,6 +133,8 @@ def search(args: argparse.Namespace) -> int:
         f"{files['trials'].name} (every trial) and {files['summary'].name}")
     for w in warnings:
         log(f"warning: {w}")
+    said = accuracy_line(cluster.name)
+    log(said)
     if args.json:
         best: dict[str, Any] = {"strategy_file": str(files["strategy_file"]),
                                 "program": json.loads(b.program.to_json()),
@@ -148,6 +151,7 @@ def search(args: argparse.Namespace) -> int:
                        for r in pareto(result.records)],
             "distinct_strategies": result.trials - result.repeats,
             "warnings": warnings,
+            "accuracy": said,
         }
         if measured:
             winner = measured[0]

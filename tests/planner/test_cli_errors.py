@@ -217,6 +217,26 @@ if not torch.cuda.is_available():
                                  ("--device cuda: no CUDA device",))
 
 
+def documented() -> dict[str, str]:
+    """docs/reliability.md's table of bad input: case -> the message it quotes."""
+    out = {}
+    for line in (ROOT / "docs" / "reliability.md").read_text().splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split(" | ")]
+        if len(cells) == 3 and cells[2].startswith("`") and "error: " in cells[2]:
+            out[cells[0]] = cells[2].strip("`").strip()
+    return out
+
+
+DOCUMENTED = documented()
+# quoted from a cluster or an earlier search, which this table cannot run
+ELSEWHERE = {"a study of another problem", "Ray cluster unreachable", "Ray token refused",
+             "not a node of the cluster", "resume a checkpoint of another model"}
+
+
+def test_the_documented_cases_are_the_tested_ones():
+    assert set(DOCUMENTED) - ELSEWHERE <= set(BAD), set(DOCUMENTED) - ELSEWHERE - set(BAD)
+
+
 @pytest.mark.parametrize("case", sorted(BAD))
 def test_bad_input_is_one_error_line_and_exit_2(case, tmp_path, capsys):
     files = {**_files(tmp_path), "out": str(tmp_path / "out")}
@@ -233,6 +253,9 @@ def test_bad_input_is_one_error_line_and_exit_2(case, tmp_path, capsys):
     for needle in needles:
         assert needle.format(**files) in errors[0], (needle, errors[0])
     assert elapsed < 60, "bad input fails fast"
+    if case in DOCUMENTED:  # quoted as printed, the paths shortened as the table says
+        shown = errors[0].replace(f"{tmp_path}/", "").replace(f"{ROOT}/", "")
+        assert shown == DOCUMENTED[case], f"docs/reliability.md quotes {case!r} otherwise"
 
 
 @pytest.mark.parametrize("model", ["missing", "wrong_features", "data_branch"])

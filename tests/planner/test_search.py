@@ -404,3 +404,8 @@ def test_every_output_names_a_strategy_the_same_way(searched):
     best = res["best"]
     assert f"name={best['program']['name']!r}" in (out / "best_strategy.py").read_text()
     assert best["summary"]["schedule"] == best["program"]["name"]
+
+
+def test_search_says_how_accurate_its_cluster_is(searched):
+    _, _, res = searched
+    assert res["accuracy"].startswith("accuracy: on ") and "published" in res["accuracy"]

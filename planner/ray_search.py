@@ -89,7 +89,7 @@ def run_ray_search(evaluator: Evaluator, space: SearchSpace, *, trials: int,
         tuner = tune.Tuner(
             trainable,
             tune_config=tune.TuneConfig(search_alg=searcher, num_samples=trials,
-                                        time_budget_s=timeout),
+                                        time_budget_s=timeout, reuse_actors=True),
             run_config=tune.RunConfig(
                 name=study_name, verbose=0,  # Tune's own folder: on the head, under client
                 storage_path=None if _client() else os.path.abspath(os.path.join(out, "ray"))),

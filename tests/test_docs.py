@@ -56,7 +56,7 @@ def commands(page: Path) -> list[str]:
             block = None
             continue
         if block is not None:
-            block.append(line[len(indent):] if line.startswith(indent) else line)
+            block.append(line.removeprefix(indent))
     return out
 
 

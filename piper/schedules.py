@@ -251,9 +251,19 @@ def dualpipev(stages: Sequence[Sequence[str]], *, microbatches: int, dp: int = 1
     return Program(ds, name="dualpipev")
 
 
+def no_pipeline(stages: Sequence[Sequence[str]], *, microbatches: int, dp: int = 1,
+                zero: int = 0, pp: int | None = None) -> Program:
+    """One stage, no pipeline: each microbatch's forward then its backward (1F1B's order on
+    one stage), named `NO_PIPELINE`."""
+    if len(stages) != 1 or (pp or 1) != 1:
+        raise ValueError(f"{NO_PIPELINE}: no pipeline means one stage (pp=1), got "
+                         f"{len(stages)} stages")
+    return one_f_one_b(stages, microbatches=microbatches, dp=dp, zero=zero, pp=1)
+
+
 SCHEDULES: dict[str, Callable[..., Program]] = {
     "gpipe": gpipe, "1f1b": one_f_one_b, "interleaved-1f1b": interleaved_1f1b, "zb1p": zb1p,
-    "dualpipev": dualpipev}
+    "dualpipev": dualpipev, NO_PIPELINE: no_pipeline}
 
 
 def build(schedule: str, stages: Sequence[Sequence[str]], *, microbatches: int,

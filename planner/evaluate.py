@@ -26,7 +26,8 @@ from piper.directives import (
     Stream,
 )
 from piper.errors import PiperError
-from piper.model_file import ModelSpec, load_model
+from piper.loading import load_model
+from piper.model_file import ModelSpec
 from piper.program import Program
 from piper.sharding import ModelSharding
 from planner.cache import EvaluationCache, evaluation_key

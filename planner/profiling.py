@@ -33,7 +33,8 @@ from cost_models.probes import (
 )
 from piper.capture import capture
 from piper.errors import PiperError
-from piper.model_file import ModelSpec, load_model
+from piper.loading import load_model
+from piper.model_file import ModelSpec
 from runtime.jobs import RuntimeFailure, free_port
 from runtime.process_ranks import Here, Ranks
 

@@ -117,7 +117,7 @@ def run_search(evaluator: Evaluator, space: SearchSpace, *, trials: int, timeout
     """Add `trials` trials to the study (or stop at `timeout`), scoring each by simulation; a
     study already in `storage` is resumed, not restarted."""
     optuna.logging.set_verbosity(optuna.logging.ERROR)  # failed trials: our one line, below
-    _check_not_empty(space)
+    check_not_empty(space)
     study = open_study(_storage(storage), study_name, create=True)
     describe(study, evaluator)
     earlier = len(study.trials)
@@ -278,7 +278,7 @@ def open_storage(url: str, **kwargs: Any) -> optuna.storages.BaseStorage:
                          "sqlite:///study.db or postgresql://user@host/db") from None
 
 
-def _check_not_empty(space: SearchSpace) -> None:
+def check_not_empty(space: SearchSpace) -> None:
     """Every point infeasible (say --gpus far beyond the batch) is bad input: say so now,
     rather than spend every trial finding out."""
     if space.points():

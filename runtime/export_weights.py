@@ -12,7 +12,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from piper.errors import PiperError
-from piper.model_file import load_model
+from piper.loading import load_model
 from runtime import checkpoint
 
 

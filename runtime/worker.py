@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from piper.capture import capture
 from piper.collectives import EP_GROUP, TP_GROUP, bind_group
-from piper.model_file import load_model
+from piper.loading import load_model
 from piper.shipped import local_path
 from runtime.executor import RankExecutor, StepOutcome
 from runtime.p2p import make_links

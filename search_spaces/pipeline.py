@@ -13,6 +13,7 @@ from typing import Any
 from piper import schedules
 from piper.capture import ModelGraph
 from piper.program import Program
+from piper.schedules import NO_PIPELINE
 from piper.tensor_parallel import check_divisible, plan_targets
 from search_spaces import conditional
 from search_spaces.base import Infeasible, SearchSpace, TrialLike
@@ -83,16 +84,17 @@ class PipelineSpace(SearchSpace):
 
     @property
     def flat_schedule(self) -> str:
-        """The one schedule of pp=1 points: a forward then a backward per microbatch, what
-        gradient accumulation does (every other name orders one device's tasks worse or the
-        same)."""
-        return "1f1b" if "1f1b" in self.schedules else self.schedules[0]
+        """The one schedule of pp=1 points, `NO_PIPELINE`: a forward then a backward per
+        microbatch, what gradient accumulation does (a pipeline schedule's name orders one
+        device's tasks worse or the same)."""
+        return NO_PIPELINE
 
     def grid(self) -> Mapping[str, Sequence[Any]]:
         pps = [p for p in divisors(self.gpus) if p <= len(self.regions)]
         mbs = [m for m in divisors(self.batch_size) if m <= self.max_microbatches]
         g: dict[str, Sequence[Any]] = {"pp": pps, "microbatches": mbs,
-                                       "schedule": list(self.schedules),
+                                       "schedule": [*self.schedules, *(
+                                           [NO_PIPELINE] if 1 in pps else [])],
                                        "zero": list(self.zeros)}
         if self.tps != (1,):
             g["tp"] = [t for t in self.tps if self.gpus % t == 0]
@@ -202,9 +204,11 @@ class PipelineSpace(SearchSpace):
         """Why the point is not a valid strategy, or None; no Program is built (recompute
         runs with everything, so it adds no rule)."""
         m, sched = microbatches, schedule
-        if pp == 1 and sched != self.flat_schedule:
+        if pp == 1 and sched != NO_PIPELINE:
             return (f"pp=1 has no pipeline to schedule: {sched} is the same strategy as "
-                    f"{self.flat_schedule} (gradient accumulation), kept once")
+                    f"{NO_PIPELINE} (gradient accumulation), kept once")
+        if pp > 1 and sched == NO_PIPELINE:
+            return f"{NO_PIPELINE} (no pipeline schedule) is for pp=1, not pp={pp}"
         per_device = VIRTUAL.get(sched, 1)
         if pp * per_device > len(self.regions):
             return f"pp={pp} x {per_device} stages exceeds the {len(self.regions)} regions"

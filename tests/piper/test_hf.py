@@ -10,7 +10,7 @@ import pytest
 import piper
 from piper.errors import PiperError
 from piper.hf import is_hf_model, load_hf_model
-from piper.model_file import load_model
+from piper.loading import load_model
 from tests.hf_models import FAMILIES, SEQ, write_config
 
 pytest.importorskip("transformers")

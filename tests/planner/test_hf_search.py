@@ -34,7 +34,7 @@ def test_a_capture_after_a_search_still_tags_its_regions(capsys, tmp_path):
     turned a tied GPT-2's embedding into the head region: 'head feeds the earlier region
     embed')."""
     from cost_models import CATALOG
-    from piper.model_file import load_model
+    from piper.loading import load_model
     from planner.evaluate import Evaluator
     from tests.hf_models import write_config
 

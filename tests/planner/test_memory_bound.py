@@ -39,7 +39,7 @@ def test_bound_is_the_simulated_peak_across_schedules_zero_and_tp(precision):
                 else:
                     assert bound == peak, v
             seen.add(kind)
-        assert len({s for s, *_ in seen}) == 5 and len({z for _, z, *_ in seen}) == 4
+        assert len({s for s, *_ in seen}) == 6 and len({z for _, z, *_ in seen}) == 4
         assert any(tp or ep for *_, tp, ep, _, _ in seen)
         # recomputed stages: inputs kept, one region rebuilt in B or I, W's products after I
         assert {(s, r) for s, *_, r, _ in seen} >= {(s, True) for s in ("1f1b", "zb1p")}

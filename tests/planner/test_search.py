@@ -29,9 +29,10 @@ def searched(tmp_path_factory):
     out = tmp_path_factory.mktemp("search")
     argv = ["search", GPT, *TINY, "--gpus", "4", "--trials", "12", "--seed", "3",
             "--out", str(out), "--json"]
-    buf = io.StringIO()
-    with contextlib.redirect_stdout(buf):
+    buf, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(err):
         rc = main(argv)
+    (out / "stderr.txt").write_text(err.getvalue())  # what the user saw
     return rc, out, json.loads(buf.getvalue())
 
 
@@ -145,7 +146,7 @@ def test_grid_sampler_covers_the_space(tmp_path, capsys):
     tried = [{k: t.params[k] for k in points[0]} for t in study.trials]  # the grid's terms
     assert sorted(map(_key, tried)) == sorted(map(_key, points))
     assert res["trials"] == sum(t.state == optuna.trial.TrialState.COMPLETE for t in study.trials)
-    assert {p["schedule"] for p in points} == set(ALL_SCHEDULES)
+    assert {p["schedule"] for p in points} == {*ALL_SCHEDULES, "none"}
     assert {p["zero"] for p in points} == {0, 1, 2, 3}
 
 
@@ -316,7 +317,7 @@ def test_score_keeps_the_fastest_bucket_size_of_a_point():
     cluster = dataclasses.replace(CATALOG["h100-80gb"], intra_node_bandwidth=1e8)
     ev = Evaluator(load_model_file(GPT, (("size", "tiny"),)), 4, 32, cluster)
     space, _ = search_space(ev, 8)
-    point = {"pp": 1, "microbatches": 2, "schedule": "1f1b", "zero": 0, "recompute": False,
+    point = {"pp": 1, "microbatches": 2, "schedule": "none", "zero": 0, "recompute": False,
              "comm_stream": False}
     variants = space.variants(point)
     assert [v.get("bucket_mb", 0) for v in variants] == [0, 25, 100]
@@ -403,6 +404,9 @@ def test_every_output_names_a_strategy_the_same_way(searched):
         assert cells[7] == by_trial[cells[0]]["schedule"], cells
     best = res["best"]
     assert f"name={best['program']['name']!r}" in (out / "best_strategy.py").read_text()
+    wrote = [line for line in (out / "stderr.txt").read_text().splitlines()
+             if line.startswith("wrote ")]
+    assert len(wrote) == 1 and "trials.csv" in wrote[0] and "summary.txt" in wrote[0]
     assert best["summary"]["schedule"] == best["program"]["name"]
 
 

@@ -62,7 +62,7 @@ def test_embedded_study_speaks_in_strategy_terms_and_marks_repeats(tmp_path, cap
     study = optuna.load_study(study_name="piper-plan", storage=f"sqlite:///{tmp_path}/study.db")
     done = [t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE]
     assert_strategy_params(done)
-    assert all(t.params["schedule"] == "1f1b" for t in done if t.params["pp"] == 1)
+    assert all(t.params["schedule"] == "none" for t in done if t.params["pp"] == 1)
     # the same point again, as a sampler may ask it: scored once more, marked as a repeat
     first = done[0]
     study.enqueue_trial(first.params)

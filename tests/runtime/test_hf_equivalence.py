@@ -96,7 +96,7 @@ def test_saved_weights_load_per_stage_and_match_eager(ray_session, capsys, tmp_p
     import torch
     import transformers
 
-    from piper.model_file import load_model
+    from piper.loading import load_model
 
     folder = write_config(tmp_path / "llama", "llama", weights=True, seed=3)
     rc, out = run_json(capsys, ["run", str(folder), "--gpus", "4", "--pp", "2", "--dp", "2",

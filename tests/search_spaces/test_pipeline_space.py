@@ -48,7 +48,7 @@ class FirstChoiceTrial:
 def test_grid_lists_pp_dividing_gpus_up_to_the_region_count() -> None:
     g = space(gpus=12, batch_size=16, max_microbatches=8).grid()
     assert g == {"pp": [1, 2, 3, 4, 6], "microbatches": [1, 2, 4, 8],
-                 "schedule": ["gpipe", "1f1b"], "zero": [0]}
+                 "schedule": ["gpipe", "1f1b", "none"], "zero": [0]}
 
 
 def test_full_space_rules_out_points_no_schedule_can_run(dag0: TrainingDAG) -> None:
@@ -65,9 +65,10 @@ def test_full_space_rules_out_points_no_schedule_can_run(dag0: TrainingDAG) -> N
             assert len(dag.stages) == 2 * p["pp"]
         if p["schedule"] == "dualpipev":
             assert p["microbatches"] >= 2 * p["pp"]
-    assert {p["schedule"] for p, _ in points} == set(ALL_SCHEDULES)
+    assert {p["schedule"] for p, _ in points} == {*ALL_SCHEDULES, schedules.NO_PIPELINE}
     # ZeRO-3 composes with the split backward of the zero-bubble schedules
-    assert {p["schedule"] for p, _ in points if p["zero"] == 3} == set(ALL_SCHEDULES)
+    assert {p["schedule"] for p, _ in points if p["zero"] == 3} == {
+        *ALL_SCHEDULES, schedules.NO_PIPELINE}
     with pytest.raises(Infeasible, match="at least 2 x pp = 4 microbatches"):
         sp.program(pp=2, microbatches=2, schedule="dualpipev", zero=0)
     with pytest.raises(Infeasible, match="dp=1 has none"):
@@ -98,16 +99,19 @@ def test_enumerate_yields_only_feasible_points_that_apply(dag0: TrainingDAG, gpu
 def test_enumerate_skips_exactly_the_infeasible_grid_points() -> None:
     sp = space(gpus=4, batch_size=8)
     got = {(p["pp"], p["microbatches"], p["schedule"]) for p, _ in sp.enumerate()}
-    want = {(pp, m, s) for pp in (1, 2, 4) for m in (1, 2, 4, 8) for s in ("gpipe", "1f1b")
-            if 8 % ((4 // pp) * m) == 0 and (pp > 1 or s == "1f1b")}  # pp=1: one schedule
+    want = {(pp, m, s) for pp in (1, 2, 4) for m in (1, 2, 4, 8)
+            for s in ("gpipe", "1f1b", "none")
+            if 8 % ((4 // pp) * m) == 0 and (pp > 1) == (s != "none")}  # pp=1: no pipeline
     assert got == want
     assert (1, 4, "gpipe") not in got  # dp=4 x 4 microbatches = 16 > 8
 
 
 @pytest.mark.parametrize("params, msg", [
     ({"pp": 3, "microbatches": 1, "schedule": "gpipe"}, "pp=3 x tp=1 does not divide 4 devices"),
-    ({"pp": 1, "microbatches": 4, "schedule": "1f1b"},
+    ({"pp": 1, "microbatches": 4, "schedule": "none"},
      "dp=4 x microbatches=4 does not divide batch 8"),
+    ({"pp": 1, "microbatches": 1, "schedule": "1f1b"}, "pp=1 has no pipeline to schedule"),
+    ({"pp": 2, "microbatches": 1, "schedule": "none"}, "is for pp=1, not pp=2"),
 ])
 def test_program_of_an_infeasible_point_raises_infeasible(params: dict, msg: str) -> None:
     with pytest.raises(Infeasible, match=msg):
@@ -126,17 +130,18 @@ def test_suggest_asks_categories_then_degree_positions_and_builds_that_point(
     sp = space(gpus=4, batch_size=8, zeros=(0, 1))
     trial = FirstChoiceTrial()
     prog = sp.suggest(trial)
-    assert trial.asked == {"schedule": ["gpipe", "1f1b"], "zero": [0, 1],
+    assert trial.asked == {"schedule": ["gpipe", "1f1b", "none"], "zero": [0, 1],
                            "pp_quantile": [0.0, 1.0], "microbatches_quantile": [0.0, 1.0]}
-    # gpipe's smallest pipeline is pp=2 (pp=1 is kept once, under 1f1b)
+    # gpipe's smallest pipeline is pp=2 (pp=1 is kept once, under none)
     assert prog == sp.program(pp=2, microbatches=1, schedule="gpipe", zero=0)
     assert prog.apply(dag0).world_size == 4
 
 
 def test_suggest_with_an_optuna_fixed_trial(dag0: TrainingDAG) -> None:
     sp = space(gpus=4, batch_size=8)
-    # pp among 1, 2, 4; then with dp=2 the microbatches among 1, 2, 4: both pick the middle
-    prog = sp.suggest(optuna.trial.FixedTrial({"schedule": "1f1b", "pp_quantile": 0.5,
+    # 1f1b's pp among 2, 4 (pp=1 is `none`'s); then with dp=2 the microbatches among 1, 2,
+    # 4: the first pp, the middle microbatch count
+    prog = sp.suggest(optuna.trial.FixedTrial({"schedule": "1f1b", "pp_quantile": 0.0,
                                                "microbatches_quantile": 0.5}))
     assert isinstance(prog, Program)
     assert prog == schedules.one_f_one_b(sp.stages(2), microbatches=2, dp=2)
@@ -227,7 +232,7 @@ def test_params_of_is_the_inverse_of_sample() -> None:
 
     sp = space(8, 32, schedules=ALL_SCHEDULES, zeros=(0, 1, 2, 3), tps=(1, 2, 4))
     names = sp.parameters()
-    assert names == {"schedule": list(ALL_SCHEDULES), "zero": [0, 1, 2, 3],
+    assert names == {"schedule": [*ALL_SCHEDULES, schedules.NO_PIPELINE], "zero": [0, 1, 2, 3],
                      "tp_quantile": None, "pp_quantile": None, "microbatches_quantile": None}
     for p in sp.points():
         params = sp.params_of(p)

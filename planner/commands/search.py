@@ -1,8 +1,5 @@
-"""`piper-plan search`: capture, search, optionally measure the best few, write the outputs.
-
-Kept apart from `planner.cli` (argument parsing and the other commands) because it is the
-one command with many steps; each step is a library call.
-"""
+"""`piper-plan search`: capture, search, optionally measure the best few, write the outputs
+(each step a library call)."""
 
 from __future__ import annotations
 
@@ -19,17 +16,17 @@ from piper.errors import PiperError
 def search(args: argparse.Namespace) -> int:
     from cost_models.accuracy import accuracy_line
     from planner.advice import warnings_for
-    from planner.cli import (
+    from planner.commands.common import (
         EXIT_FAILED,
         EXIT_OK,
-        _batch,
-        _cluster,
-        _device,
-        _emit,
-        _spec,
-        _tell_regions,
+        batch_of,
+        cluster_of,
+        device_of,
+        emit,
         log,
         planned_precision,
+        spec_of,
+        tell_regions,
     )
     from planner.evaluate import Evaluator
     from planner.export import write_figures, write_outputs
@@ -37,7 +34,7 @@ def search(args: argparse.Namespace) -> int:
     from planner.report import pareto, predicted_line, results_table, summary_line, unused
     from planner.space import search_space
 
-    spec = _spec(args)
+    spec = spec_of(args)
     if args.trials < 1:
         raise PiperError(f"--trials must be >= 1, got {args.trials}")
     if args.measure < 0:
@@ -46,10 +43,10 @@ def search(args: argparse.Namespace) -> int:
     if args.measure:  # refuse a run this machine cannot host before searching, not after
         from runtime.launcher import check_workers
 
-        device = _device(args)
+        device = device_of(args)
         check_workers(args.gpus, device, args.address)
-    cluster, cluster_name = _cluster(args, announce=True)
-    batch = _batch(args, spec)
+    cluster, cluster_name = cluster_of(args, announce=True)
+    batch = batch_of(args, spec)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     storage = args.storage or f"sqlite:///{(out / 'study.db').resolve()}"
@@ -64,7 +61,7 @@ def search(args: argparse.Namespace) -> int:
     log(f"captured {spec.path}: {len(graph.regions)} regions, "
         f"{sum(r.param_numel for r in graph.regions) / 1e6:,.1f}M parameters{folded} "
         f"({time.perf_counter() - t0:.1f} s)")
-    _tell_regions(ev)
+    tell_regions(ev)
     space, dropped = search_space(ev, cluster.gpus_per_node)
     for line in dropped:
         log(f"left out {line}")
@@ -115,7 +112,7 @@ def search(args: argparse.Namespace) -> int:
         for w in warnings:
             log(f"warning: {w}")
         if args.json:
-            _emit({"best": None, "trials": result.trials, "feasible_trials": 0,
+            emit({"best": None, "trials": result.trials, "feasible_trials": 0,
                    "search_time_s": total, "pareto": [], "warnings": warnings})
         return EXIT_FAILED
     b = result.best
@@ -159,7 +156,7 @@ def search(args: argparse.Namespace) -> int:
                 best["measured"] = {"step_time_s": winner.median_s,
                                     "peak_memory_bytes": list(winner.peak_memory_bytes)}
             obj["measured"] = [m.json() for m in measured]
-        _emit(obj)
+        emit(obj)
     else:
         print(b.program.to_python([f"best of {result.trials} trials: {summary_line(b.summary)}"]))
     return EXIT_OK

@@ -2,8 +2,7 @@
 clipping, checkpoints and resume, metrics — and optionally check it against single-device
 training. Ranks are Ray actors (`--launcher ray`), processes spawned on this machine
 (`local`) or the processes torchrun started (`torchrun`: rank 0 drives, the others serve);
-only the first imports Ray. Kept apart from `planner.cli` (parsing and the small commands)
-as `search` is."""
+only the first imports Ray."""
 
 from __future__ import annotations
 
@@ -111,7 +110,7 @@ def run(args: argparse.Namespace) -> int:
     finally:
         if torchrun is not None:
             torchrun.release()
-    from planner.cli import EXIT_RUNTIME
+    from planner.commands.common import EXIT_RUNTIME
 
     if torchrun is not None and rc == EXIT_RUNTIME:
         # rank 0's own part may still wait in a collective for the rank that failed: end
@@ -124,17 +123,17 @@ def run(args: argparse.Namespace) -> int:
 
 def _drive(args: argparse.Namespace, torchrun: Any) -> int:
     from cost_models import CATALOG
-    from planner.cli import (
+    from planner.commands.common import (
         EXIT_FAILED,
         EXIT_OK,
         EXIT_RUNTIME,
-        _batch,
-        _device,
-        _emit,
-        _program,
-        _spec,
-        _tell_regions,
+        batch_of,
+        device_of,
+        emit,
         log,
+        program_of,
+        spec_of,
+        tell_regions,
         with_gpus_per_node,
     )
     from planner.evaluate import Evaluator
@@ -147,7 +146,7 @@ def _drive(args: argparse.Namespace, torchrun: Any) -> int:
     from runtime.lowering import lower
     from runtime.reference import max_rel_diff, reference_run
 
-    spec = _spec(args)
+    spec = spec_of(args)
     if args.steps < 1:
         raise PiperError(f"--steps must be >= 1, got {args.steps}")
     if args.checkpoint_every < 0:
@@ -155,10 +154,10 @@ def _drive(args: argparse.Namespace, torchrun: Any) -> int:
     if (args.checkpoint_every or args.resume) and not args.checkpoint_dir:
         flag = "--resume" if args.resume else "--checkpoint-every"
         raise PiperError(f"{flag} needs --checkpoint-dir")
-    device = _device(args)
+    device = device_of(args)
     _check_launch(args, device, torchrun)
     train = train_config(args, device)
-    batch = _batch(args, spec)
+    batch = batch_of(args, spec)
     BatchSource(spec, batch, args.seed, train.data, train.data_dtype)  # bad data: exit 2 now
     if train.eval_data:
         BatchSource(spec, batch, args.seed, train.eval_data, train.data_dtype, shuffle=False,
@@ -170,8 +169,8 @@ def _drive(args: argparse.Namespace, torchrun: Any) -> int:
     # tensor parallelism is checked to stay inside a node of --gpus-per-node
     ev = Evaluator(spec, args.gpus, batch, with_gpus_per_node(CATALOG["cpu"],
                                                               args.gpus_per_node))
-    _tell_regions(ev)
-    program = _program(args, ev)
+    tell_regions(ev)
+    program = program_of(args, ev)
     plan = lower(spec, program, args.gpus, batch)
     summary = program.summary()
     info = {"batch_size": batch, "seed": args.seed, "strategy": summary,
@@ -239,7 +238,7 @@ def _drive(args: argparse.Namespace, torchrun: Any) -> int:
         out["check"] = {"passed": passed, "max_rel_diff": diff,
                         "rtol": CHECK_RTOL[train.precision]}
     if args.json:
-        _emit(out)
+        emit(out)
     elif args.check:
         print(f"check: {'passed' if passed else 'FAILED'} (max relative difference "
               f"{out['check']['max_rel_diff']:.2e} against single-device training, "

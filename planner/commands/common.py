@@ -1,0 +1,119 @@
+"""What the `piper-plan` commands share: reading the model, batch, cluster, device and
+strategy from their flags, the regions note, one JSON object on stdout, and the exit codes
+DESIGN.md promises. Public names only: every command module imports them from here."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from typing import Any
+
+from piper.errors import PiperError
+
+EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_RUNTIME = 0, 1, 2, 3
+DEFAULT_CLUSTER = "h100-80gb"
+MAX_GPUS = 2**17  # beyond the largest clusters built; a bound that keeps typos from hanging
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def spec_of(args: argparse.Namespace) -> Any:
+    from piper.loading import load_model
+    from piper.model_file import parse_model_args
+
+    if args.gpus < 1:
+        raise PiperError(f"--gpus must be >= 1, got {args.gpus}")
+    if args.gpus > MAX_GPUS:
+        raise PiperError(f"--gpus {args.gpus} is more than {MAX_GPUS:,}, the largest "
+                         "cluster piper-plan plans for")
+    if getattr(args, "timeout", None) is not None and not args.timeout > 0:
+        raise PiperError(f"--timeout must be > 0 seconds, got {args.timeout}")
+    if args.seq_len is not None and args.seq_len < 1:
+        raise PiperError(f"--seq-len must be >= 1, got {args.seq_len}")
+    options = (("seq_len", args.seq_len),) if args.seq_len is not None else ()
+    spec = load_model(args.model, parse_model_args(args.model_arg), options)
+    if args.batch_size is not None and args.batch_size < 1:
+        raise PiperError(f"--batch-size must be >= 1, got {args.batch_size}")
+    for note in spec.notes:
+        log(note)
+    return spec
+
+
+def batch_of(args: argparse.Namespace, spec: Any) -> int:
+    return args.batch_size or spec.batch_size
+
+
+def cluster_of(args: argparse.Namespace, announce: bool) -> tuple[Any, str]:
+    from cost_models import load_cluster
+
+    name = args.cluster or DEFAULT_CLUSTER
+    if args.cluster is None and announce:
+        log(f"cluster: {DEFAULT_CLUSTER} (default; pass --cluster to change)")
+    return with_gpus_per_node(load_cluster(name), getattr(args, "gpus_per_node", None)), name
+
+
+def with_gpus_per_node(cluster: Any, per_node: int | None) -> Any:
+    """`cluster` with `--gpus-per-node` where given; below 1 is bad input."""
+    if per_node is None:
+        return cluster
+    if per_node < 1:
+        raise PiperError(f"--gpus-per-node must be >= 1, got {per_node}")
+    return dataclasses.replace(cluster, gpus_per_node=per_node)
+
+
+def program_of(args: argparse.Namespace, ev: Any) -> Any:
+    from piper.program import Program
+    from planner.strategy import shorthand_program
+
+    if args.strategy:
+        shorthand = [f for f in ("pp", "dp", "tp", "ep", "schedule", "microbatches",
+                                 "recompute", "comm_stream", "bucket_mb", "sp")
+                     if getattr(args, f, None)]
+        if shorthand:
+            raise PiperError(f"--strategy and --{shorthand[0].replace('_', '-')} are "
+                             "mutually exclusive")
+        return _within_node(Program.load(args.strategy), ev.cluster, args.strategy)
+    graph = ev.captured.graph
+    return _within_node(shorthand_program(args, args.gpus, graph.names, ev.region_costs(),
+                                          graph.expert_regions), ev.cluster, None)
+
+
+def _within_node(program: Any, cluster: Any, path: str | None) -> Any:
+    """Tensor parallelism talks at every layer: a TP group spanning nodes is priced over
+    the inter-node links (users do run tp 16 over two nodes), and said once."""
+    tp = program.summary()["tp"]
+    if tp > cluster.gpus_per_node:
+        what = f"{path}: tensor-parallel degree {tp}" if path else f"--tp {tp}"
+        print(f"warning: {what} spans nodes of cluster {cluster.name} "
+              f"({cluster.gpus_per_node} devices each): its collectives cross the "
+              "inter-node links at every layer", file=sys.stderr)
+    return program
+
+
+def tell_regions(ev: Any) -> None:
+    """Regions chosen automatically are said once, so the user sees what was planned."""
+    note = ev.captured.regions_note()
+    if note:
+        log(note)
+
+
+def device_of(args: argparse.Namespace) -> str:
+    import torch
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise PiperError("--device cuda: no CUDA device is available here")
+    return args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def planned_precision(args: argparse.Namespace, cluster: Any) -> str:
+    """What search and simulate price: `--precision`, else bf16-mixed on a cluster with a
+    bf16 rate (GPUs; what `run --device cuda` trains in) and fp32 on CPU."""
+    return args.precision or ("bf16-mixed" if cluster.bf16_flops else "fp32")
+
+
+def emit(obj: dict[str, Any]) -> None:
+    print(json.dumps(obj))

@@ -263,7 +263,8 @@ def no_pipeline(stages: Sequence[Sequence[str]], *, microbatches: int, dp: int =
 
 SCHEDULES: dict[str, Callable[..., Program]] = {
     "gpipe": gpipe, "1f1b": one_f_one_b, "interleaved-1f1b": interleaved_1f1b, "zb1p": zb1p,
-    "dualpipev": dualpipev, NO_PIPELINE: no_pipeline}
+    "dualpipev": dualpipev}
+"""The pipeline schedules; `build` also takes `NO_PIPELINE` (one stage)."""
 
 
 def build(schedule: str, stages: Sequence[Sequence[str]], *, microbatches: int,
@@ -271,9 +272,10 @@ def build(schedule: str, stages: Sequence[Sequence[str]], *, microbatches: int,
           ) -> Program:
     """The named schedule as a Program (with `recompute`, on every stage); `KeyError` names
     the known ones, `ValueError` says why the schedule does not fit the stages."""
-    if schedule not in SCHEDULES:
-        raise KeyError(f"unknown schedule {schedule!r}; known: {', '.join(SCHEDULES)}")
-    prog = SCHEDULES[schedule](stages, microbatches=microbatches, dp=dp, pp=pp, zero=zero)
+    known = {**SCHEDULES, NO_PIPELINE: no_pipeline}
+    if schedule not in known:
+        raise KeyError(f"unknown schedule {schedule!r}; known: {', '.join(known)}")
+    prog = known[schedule](stages, microbatches=microbatches, dp=dp, pp=pp, zero=zero)
     return with_recompute(prog) if recompute else prog
 
 

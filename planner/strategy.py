@@ -94,7 +94,8 @@ def add_shorthand_flags(p: argparse.ArgumentParser) -> None:
                    "over data-parallel replicas)")
     g.add_argument("--zero", type=int, choices=[0, 1, 2, 3],
                    help="ZeRO stage of the data-parallel replicas (default 0)")
-    g.add_argument("--schedule", choices=sorted(schedules.SCHEDULES), help="default 1f1b")
+    g.add_argument("--schedule", choices=sorted([*schedules.SCHEDULES, schedules.NO_PIPELINE]),
+                   help=f"default 1f1b ({schedules.NO_PIPELINE}: pp=1, no pipeline)")
     g.add_argument("--virtual-stages", type=int,
                    help="stages per pipeline rank (interleaved-1f1b)")
     g.add_argument("--microbatches", type=int, help="microbatches per replica (default pp)")

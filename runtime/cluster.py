@@ -20,6 +20,7 @@ import os
 import shutil
 import socket
 import tempfile
+import time
 import warnings
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
@@ -32,6 +33,11 @@ from piper.errors import PiperError
 from piper.shipped import shipped_path
 
 CLIENT = "ray://"
+INIT_FAILURE = "Initialization failure from server"
+"""Ray Client's proxy could not start this session's server in time (seen on a loaded
+host, right after another session ended): transient, so `connect` tries again."""
+CLIENT_TRIES = 3
+CLIENT_RETRY_S = 3.0
 REACH_S = 5.0  # how long a cluster's port gets to answer a TCP connect
 SHIP_LIMIT_BYTES = 256 * 2**20  # a model folder up to this size travels with the job
 TOKEN_HINT = ("set RAY_AUTH_TOKEN to the cluster's token, or RAY_AUTH_TOKEN_PATH to a file "
@@ -69,13 +75,18 @@ def connect(address: str | None = None, ship: Iterable[str] = ()) -> bool:
             _check_gcs(address)
     env = _runtime_env(ship)
     try:
-        with _client_log() as said, warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # Ray Client's timeout advice: ours is below
-            ray.init(address=address, logging_level="ERROR", log_to_driver=False,
-                     runtime_env=env or None)
+        for attempt in range(CLIENT_TRIES):
+            try:
+                _init(address, env)
+                break
+            except Exception as e:
+                if INIT_FAILURE not in str(e) or attempt + 1 == CLIENT_TRIES:
+                    raise
+                ray.shutdown()  # whatever the failed attempt left half set up
+                time.sleep(CLIENT_RETRY_S * (attempt + 1))
     except Exception as e:  # noqa: BLE001 - a refused, absent or mismatched cluster: bad input
         forget_shipped()
-        if any("authentication token" in m for m in said):
+        if isinstance(e, _RefusedToken):
             raise PiperError(f"the Ray cluster at {address} refused this machine's "
                              f"token: {TOKEN_HINT}") from None
         if address == "auto":
@@ -85,6 +96,36 @@ def connect(address: str | None = None, ship: Iterable[str] = ()) -> bool:
         raise PiperError(f"could not join the Ray cluster at {address}: "
                          f"{type(e).__name__}: {lines[0] if lines else ''}") from None
     return True
+
+
+def _init(address: str, env: dict[str, Any]) -> None:
+    """`ray.init` at `address`; a refused token is `_RefusedToken` (Ray Client tells it only
+    in the log of its connect loop)."""
+    with _client_log() as said, warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # Ray Client's timeout advice: ours is below
+        try:
+            ray.init(address=address, logging_level="ERROR", log_to_driver=False,
+                     runtime_env=env or None)
+        except Exception:
+            if any("authentication token" in m for m in said):
+                raise _RefusedToken from None
+            raise
+
+
+class _RefusedToken(Exception):
+    """The cluster refused this machine's token."""
+
+
+@contextmanager
+def joined(address: str | None, ship: Iterable[str] = ()) -> Iterator[None]:
+    """One Ray for everything inside (a search and the measuring after it): each later
+    `connect` finds it up; left at the end only if this call joined."""
+    started = connect(address, ship)
+    try:
+        yield
+    finally:
+        if started:
+            disconnect()
 
 
 def disconnect() -> None:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import time
@@ -69,35 +70,45 @@ def search(args: argparse.Namespace) -> int:
         f"{args.sampler} sampler, {args.backend} backend")
     common = {"trials": args.trials, "timeout": args.timeout, "sampler": args.sampler,
                   "storage": storage, "study_name": args.study_name, "seed": args.seed}
-    if args.backend == "ray":
-        from planner.ray_search import run_ray_search
+    # a Ray search that measures after keeps one Ray: a second join of a cluster through
+    # Ray Client right after the first can fail on a loaded head (and a local Ray's start
+    # is the slow part of measuring)
+    one_ray: Any = contextlib.nullcontext()
+    if args.backend == "ray" and args.measure > 0:
+        from runtime.cluster import joined
 
-        result = run_ray_search(ev, space, address=args.address, out=str(out), **common)
-    else:
-        from planner.search import run_search
+        one_ray = joined(args.address, [spec.source[0]])
+    with one_ray:
+        if args.backend == "ray":
+            from planner.ray_search import run_ray_search
 
-        result = run_search(ev, space, progress=not args.json, **common)
-    log(f"{result.trials + result.pruned_trials + result.failed_trials} trials: "
-        f"{result.trials} simulated ({result.trials - result.repeats} distinct strategies, "
-        f"{result.feasible_trials} of them fit in memory), "
-        f"{result.pruned_trials} pruned (invalid or over memory by formula), "
-        f"{result.failed_trials} failed")
-    measured: list[Any] = []
-    if args.measure and result.best is not None:
-        from planner.measure import measure, table
+            result = run_ray_search(ev, space, address=args.address, out=str(out), **common)
+        else:
+            from planner.search import run_search
 
-        log(f"measuring the {args.measure} best predicted strategies on {args.gpus} {device} "
-            "workers")
-        if args.cluster is None or (device == "cpu" and cluster_name != "cpu"):
-            log(f"  predicted times are for {cluster_name}, measured ones for this machine: "
-                "compare the order, not the values (--cluster FILE from `piper-plan "
-                "profile` predicts this machine)")
-        measured = measure(spec, result.records, args.measure, gpus=args.gpus,
-                           batch_size=batch, device=device, seed=args.seed,
-                           address=args.address, log=log, per_node=cluster.gpus_per_node)
-        log(table(measured))
-        if measured and measured[0].median_s is not None:
-            result = dataclasses.replace(result, best=measured[0].record)
+            result = run_search(ev, space, progress=not args.json, **common)
+        log(f"{result.trials + result.pruned_trials + result.failed_trials} trials: "
+            f"{result.trials} simulated ({result.trials - result.repeats} distinct "
+            "strategies, "
+            f"{result.feasible_trials} of them fit in memory), "
+            f"{result.pruned_trials} pruned (invalid or over memory by formula), "
+            f"{result.failed_trials} failed")
+        measured: list[Any] = []
+        if args.measure and result.best is not None:
+            from planner.measure import measure, table
+
+            log(f"measuring the {args.measure} best predicted strategies on {args.gpus} "
+                f"{device} workers")
+            if args.cluster is None or (device == "cpu" and cluster_name != "cpu"):
+                log(f"  predicted times are for {cluster_name}, measured ones for this "
+                    "machine: compare the order, not the values (--cluster FILE from "
+                    "`piper-plan profile` predicts this machine)")
+            measured = measure(spec, result.records, args.measure, gpus=args.gpus,
+                               batch_size=batch, device=device, seed=args.seed,
+                               address=args.address, log=log, per_node=cluster.gpus_per_node)
+            log(table(measured))
+            if measured and measured[0].median_s is not None:
+                result = dataclasses.replace(result, best=measured[0].record)
     files = write_outputs(out, spec, cluster_name, args.gpus, batch, result, ev.precision)
     log(results_table(result.records))
     total = time.perf_counter() - t0

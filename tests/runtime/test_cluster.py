@@ -94,3 +94,42 @@ def test_a_big_folder_is_read_where_it_is(tmp_path, monkeypatch):
         assert cluster.remote_source((str(big.resolve()),))[0] == str(big.resolve())
     finally:
         cluster.forget_shipped()
+
+
+def test_a_proxy_that_fails_to_start_a_session_is_tried_again(monkeypatch):
+    """Ray Client's 'Initialization failure from server' is transient (a loaded head): tried
+    again, a bounded number of times; any other failure is said at once."""
+    with socket.socket() as listening:  # an address that answers a TCP connect
+        listening.bind(("127.0.0.1", 0))
+        listening.listen()
+        address = f"ray://127.0.0.1:{listening.getsockname()[1]}"
+        calls: list[str] = []
+
+        def init(**kw):
+            calls.append(kw["address"])
+            if len(calls) < 3:
+                raise ConnectionAbortedError(f"{cluster.INIT_FAILURE}:\nbusy")
+
+        monkeypatch.setattr(cluster.ray, "is_initialized", lambda: False)
+        monkeypatch.setattr(cluster.ray, "init", init)
+        monkeypatch.setattr(cluster.ray, "shutdown", lambda: None)
+        monkeypatch.setattr(cluster, "CLIENT_RETRY_S", 0.0)
+        assert cluster.connect(address) is True
+        assert calls == [address] * 3
+
+        calls.clear()
+        monkeypatch.setattr(cluster, "CLIENT_TRIES", 2)
+        with pytest.raises(PiperError, match=f"could not join the Ray cluster at {address}: "
+                                             f"ConnectionAbortedError: {cluster.INIT_FAILURE}"):
+            cluster.connect(address)
+        assert len(calls) == 2
+
+        def refused(**kw):
+            calls.append(kw["address"])
+            raise ConnectionError("ray client connection timeout")
+
+        calls.clear()
+        monkeypatch.setattr(cluster.ray, "init", refused)
+        with pytest.raises(PiperError, match="ConnectionError: ray client connection timeout"):
+            cluster.connect(address)
+        assert len(calls) == 1

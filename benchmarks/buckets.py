@@ -5,7 +5,7 @@
 Same model (examples/gpt.py, size=mini), batch, microbatches and seed; pure data
 parallelism (pp=1, ZeRO-0), so the stage's all-reduce follows its last backward. Without
 buckets it starts after that backward; with `Replicate(bucket_mb=X)` each bucket starts
-inside it once its gradients are final (`runtime.buckets`). Runs alternate (none, X, Y,
+inside it once its gradients are final (`runtime.execute.buckets`). Runs alternate (none, X, Y,
 none, ...) so machine noise hits all alike; each run's first step is dropped; the median of
 the rest is reported with the ratio bucketed / one all-reduce. Also prints what the
 simulator predicts for the same two Plans on the catalog's `cpu` entry.
@@ -24,9 +24,9 @@ sys.path.insert(0, str(ROOT))
 from cost_models import CATALOG
 from piper import schedules
 from piper.model_file import load_model_file
-from planner.evaluate import Evaluator
-from runtime.launcher import run
-from runtime.lowering import lower
+from planner.search.evaluate import Evaluator
+from runtime.cluster.launcher import run
+from runtime.lowering.lower import lower
 
 GPT = str(ROOT / "examples" / "gpt.py")
 

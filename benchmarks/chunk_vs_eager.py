@@ -28,8 +28,8 @@ from vs_torch_pipelining import GPT, MODEL_ARGS, RegionStage
 from cost_models import CATALOG
 from piper.capture import capture
 from piper.model_file import load_model_file
-from planner.evaluate import Evaluator
-from runtime.stage_module import build_stage
+from planner.search.evaluate import Evaluator
+from runtime.execute.stage_module import build_stage
 from search_spaces.partition import balanced_stages
 
 Chunk = Callable[[torch.Tensor], None]

@@ -31,11 +31,11 @@ from cost_models.calibrate import calibrate
 from piper import schedules
 from piper.capture import capture
 from piper.model_file import load_model_file
-from planner.evaluate import Evaluator
-from planner.profiling import measure
-from runtime.cluster import connect
-from runtime.launcher import RuntimeFailure, run
-from runtime.lowering import lower
+from planner.machine.profiling import measure
+from planner.search.evaluate import Evaluator
+from runtime.cluster.join import connect
+from runtime.cluster.launcher import RuntimeFailure, run
+from runtime.lowering.lower import lower
 from search_spaces.partition import balanced_stages
 
 MODEL = str(ROOT / "examples" / "gpt.py")

@@ -34,8 +34,8 @@ from cost_models import load_cluster
 from piper.errors import PiperError
 from piper.model_file import load_model_file
 from piper.program import Program
-from planner.evaluate import Evaluation, Evaluator
-from planner.strategy import shorthand_program
+from planner.search.evaluate import Evaluation, Evaluator
+from planner.search.strategy import shorthand_program
 
 LLAMA = str(ROOT / "examples" / "llama.py")
 CLUSTER = "h100-80gb"

@@ -26,10 +26,10 @@ sys.path.insert(0, str(ROOT))
 from cost_models import CATALOG
 from piper import Order, Program, schedules
 from piper.model_file import load_model_file
-from planner.evaluate import Evaluator
-from runtime.launcher import run
-from runtime.lowering import lower
-from runtime.plan import PAIR_STREAM
+from planner.search.evaluate import Evaluator
+from runtime.cluster.launcher import run
+from runtime.lowering.lower import lower
+from runtime.lowering.plan import PAIR_STREAM
 from search_spaces.partition import balanced_stages
 
 CASES = {  # name: (model file, model args, ranks, dp, ep)

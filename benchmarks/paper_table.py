@@ -46,8 +46,8 @@ sys.path.insert(0, str(ROOT))
 from cost_models.cluster import load_cluster
 from cost_models.memory import stage_params
 from piper.model_file import load_model_file
-from planner.evaluate import Evaluation, Evaluator
-from planner.strategy import shorthand_program
+from planner.search.evaluate import Evaluation, Evaluator
+from planner.search.strategy import shorthand_program
 
 MODEL = ("examples/llama.py", (("size", "qwen3-1b"), ("dtype", "bfloat16")))
 PP, DP, MICROBATCHES = 8, 2, 16

@@ -44,8 +44,8 @@ from cost_models.accuracy import ALL
 from cost_models.accuracy import PATH as ACCURACY_PATH
 from piper.model_file import load_model_file
 from piper.pyfile import import_user_file
-from planner.evaluate import Evaluator
-from planner.strategy import shorthand_program
+from planner.search.evaluate import Evaluator
+from planner.search.strategy import shorthand_program
 
 GPT = str(ROOT / "examples" / "gpt.py")
 LLAMA = str(ROOT / "examples" / "llama.py")

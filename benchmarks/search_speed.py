@@ -124,8 +124,8 @@ class Phases:
 
 def profile(name: str, args: list[str]) -> None:
     """The search in this process with each phase timed (CPU seconds)."""
-    from planner import evaluate, repeats
     from planner.cli import main
+    from planner.search import evaluate, repeats
 
     ph = Phases()
     ph.wrap(repeats, "capture", "trace (torch.export on meta)")
@@ -162,10 +162,10 @@ def _quiet() -> Iterator[None]:
 def quality(seeds: int, only: str | None, full: bool = False) -> None:
     from cost_models import CATALOG
     from piper.model_file import load_model_file
-    from planner.cache import EvaluationCache
-    from planner.evaluate import Evaluator
-    from planner.search import run_search
-    from planner.space import BUCKETS_MB
+    from planner.search.cache import EvaluationCache
+    from planner.search.evaluate import Evaluator
+    from planner.search.loop import run_search
+    from planner.search.space import BUCKETS_MB
     from search_spaces.pipeline import model_space
 
     cluster = CATALOG["h100-80gb"]

@@ -9,7 +9,7 @@ in the same run, in the tree of `--baseline` (a git revision, exported with `git
 a temporary folder and run there in a subprocess), so both meet the same machine and load:
 
 - simulate: one uncached simulation end to end (pricing, engine, memory, figures);
-- engine: `task_costs` + `runtime.dryrun.dry_run` with the pricing the simulator hands it.
+- engine: `task_costs` + `runtime.lowering.dryrun.dry_run` with the pricing the simulator hands it.
 
 Tasks/s = the Plan's task count / seconds, of wall time and of the process's CPU time (the
 steadier figure when other work shares the machine). Only the standard library and the
@@ -66,8 +66,8 @@ def measure(repeats: int) -> list[dict]:
     from cost_models import CATALOG, model_costs, simulator, task_costs
     from piper import capture, schedules, single_device_dag
     from piper.model_file import load_model_file
-    from runtime import dryrun
-    from runtime.scheduler import schedule
+    from runtime.lowering import dryrun
+    from runtime.lowering.scheduler import schedule
 
     if not Path(dryrun.__file__).resolve().is_relative_to(Path.cwd().resolve()):
         raise RuntimeError(f"measuring {dryrun.__file__}, not the tree in {Path.cwd()}")

@@ -4,10 +4,10 @@ checkpoints cost.
     python benchmarks/train_curve.py [--steps 200] [--out benchmarks/out]
 
 `examples/gpt.py size=mini` (7.4M parameters) on a token file generated deterministically
-(`runtime.data.write_synthetic_tokens`: 2M tokens, 4 MB), global batch 32 x 64 tokens,
+(`runtime.train.data.write_synthetic_tokens`: 2M tokens, 4 MB), global batch 32 x 64 tokens,
 AdamW lr 1e-3 with 20 warmup steps and cosine decay, global gradient clipping at 1.0.
 The strategy: pp=2 x dp=2, ZeRO-2, 1F1B, 4 microbatches, on four CPU worker processes
-(gloo). The peer: the same training in one process, plain PyTorch (`runtime.reference`).
+(gloo). The peer: the same training in one process, plain PyTorch (`runtime.train.reference`).
 Writes `train_curve.png` (both loss curves overlaid) and prints the largest relative loss
 difference, then the checkpoint cost: time to save one checkpoint (DCP, every rank its own
 blocks) against one training step of the same run, and its bytes against the model's
@@ -38,13 +38,13 @@ def main() -> None:
 
     from cost_models import CATALOG
     from piper.model_file import load_model_file, parse_model_args
-    from planner.evaluate import Evaluator
-    from planner.strategy import shorthand_program
-    from runtime.data import write_synthetic_tokens
-    from runtime.launcher import Job
-    from runtime.lowering import lower
-    from runtime.reference import max_rel_diff, reference_run
-    from runtime.training import TrainConfig
+    from planner.search.evaluate import Evaluator
+    from planner.search.strategy import shorthand_program
+    from runtime.cluster.launcher import Job
+    from runtime.lowering.lower import lower
+    from runtime.train.data import write_synthetic_tokens
+    from runtime.train.reference import max_rel_diff, reference_run
+    from runtime.train.training import TrainConfig
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -45,9 +45,9 @@ from cost_models import CATALOG
 from piper import schedules
 from piper.capture import capture
 from piper.model_file import load_model_file
-from planner.evaluate import Evaluator
-from runtime.lowering import lower
-from runtime.plan import Plan
+from planner.search.evaluate import Evaluator
+from runtime.lowering.lower import lower
+from runtime.lowering.plan import Plan
 from search_spaces.partition import balanced_stages
 
 PP, DP = 2, 2
@@ -63,8 +63,8 @@ def _tensors(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
 # ---- ours ---------------------------------------------------------------------------------
 def _ours(rank: int, plan: Plan, batch: int, ledger: TensorLedger
           ) -> tuple[Callable[[], dict[str, Any]], Callable[[], None]]:
-    from runtime.executor import RankExecutor
-    from runtime.worker import process_groups
+    from runtime.cluster.worker import process_groups
+    from runtime.execute.executor import RankExecutor
 
     groups = process_groups(plan)  # the process groups a Ray worker makes, tp = 1
     spec = load_model_file(GPT, MODEL_ARGS)

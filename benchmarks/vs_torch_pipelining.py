@@ -4,7 +4,7 @@
 
 Same model (examples/gpt.py, size=mini), same seed and batch, same microbatches, same stage
 boundaries (ours, balanced by cost), same threads per rank, gloo on CPU. Ours runs on Ray
-actors (a `runtime.launcher.Job` on one Ray instance for the whole run, as on a cluster);
+actors (a `runtime.cluster.launcher.Job` on one Ray instance for the whole run, as on a cluster);
 theirs runs torch's `Schedule1F1B` / `ScheduleInterleaved1F1B` / `ScheduleDualPipeV` in
 spawned processes. Both are set up side by side and their steps alternate one by one, so the
 machine's drift in speed (large on a shared 2-core VM) hits both alike; each run's first
@@ -35,11 +35,11 @@ sys.path.insert(0, str(ROOT))
 from cost_models import CATALOG
 from piper import schedules
 from piper.model_file import ModelSpec, load_model_file
-from planner.evaluate import Evaluator
-from runtime.cluster import connect
-from runtime.jobs import free_port
-from runtime.launcher import Job
-from runtime.lowering import lower
+from planner.search.evaluate import Evaluator
+from runtime.cluster.jobs import free_port
+from runtime.cluster.join import connect
+from runtime.cluster.launcher import Job
+from runtime.lowering.lower import lower
 from search_spaces.partition import balanced_stages
 
 GPT = str(ROOT / "examples" / "gpt.py")

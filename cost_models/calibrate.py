@@ -25,8 +25,8 @@ from cost_models.fit import CommSample, OverheadSample
 from cost_models.probes import SEND_POST, ComputeTimings
 from cost_models.simulator import simulate
 from piper.errors import PiperError
-from runtime.dryrun import Span
-from runtime.plan import Plan
+from runtime.lowering.dryrun import Span
+from runtime.lowering.plan import Plan
 
 
 @dataclass(frozen=True)

@@ -133,3 +133,19 @@ def _toml_value(v: object) -> str:
 
 def _known() -> str:
     return ", ".join(CATALOG)
+
+
+def device_peak_flops(device: str, low_precision: bool) -> float | None:
+    """Peak dense FLOP/s of one worker's device for the precision: the catalog entry of the
+    local GPU's model (None if the catalog does not know it); on CPU the `cpu` entry."""
+    if device == "cpu":
+        return CATALOG["cpu"].peak_flops(low_precision)
+    import torch
+
+    name = torch.cuda.get_device_name(0).upper()
+    for spec in CATALOG.values():
+        model = spec.device.split()[1].split("-")[0].upper() if spec.device.startswith(
+            "NVIDIA") else None
+        if model and model in name:
+            return spec.peak_flops(low_precision)
+    return None

@@ -22,8 +22,8 @@ from collections.abc import Callable, Sequence
 
 from cost_models.cluster import ClusterSpec
 from cost_models.comm import contention as comm_contention
-from runtime.dryrun import Span, dry_run
-from runtime.plan import Plan, Task
+from runtime.lowering.dryrun import Span, dry_run
+from runtime.lowering.plan import Plan, Task
 
 ROUNDS = 8
 TOLERANCE = 0.005

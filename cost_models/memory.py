@@ -4,9 +4,9 @@ Static bytes follow the ZeRO paper's accounting (Rajbhandari et al. 2020) for an
 with AdamW: K = 16 bytes per parameter at ZeRO-0 (value 4 + gradient 4 + two moments 8).
 Over N data-parallel replicas, ZeRO-1 shards the optimizer state (4 + 4 + 8/N), ZeRO-2 also
 the gradients (4 + 12/N), ZeRO-3 everything (16/N). ZeRO-3 adds the stage's gathered
-parameters while one of its chunks runs (in units, two units: `runtime.unit_gather`);
+parameters while one of its chunks runs (in units, two units: `runtime.execute.unit_gather`);
 ZeRO-2/3 add a microbatch's full gradient from its backward to its reduce-scatter, or with
-units whose reduce-scatters start inside the backward (`runtime.zero`) at most two units
+units whose reduce-scatters start inside the backward (`runtime.execute.zero`) at most two units
 of it. Activations of a microbatch live from the start of its forward to the end of its
 backward, which is what separates GPipe from 1F1B. They are what autograd saves
 (`cost_models.saved`); on a recomputed stage (`piper.Recompute`) a microbatch keeps only its
@@ -23,9 +23,9 @@ from dataclasses import dataclass
 from cost_models.analytical import ModelCosts
 from cost_models.task_costs import gathered_element_size, recomputed
 from piper.dag import Kind
-from runtime.buckets import early_reduce_scatters
-from runtime.dryrun import Span
-from runtime.plan import Plan
+from runtime.execute.buckets import early_reduce_scatters
+from runtime.lowering.dryrun import Span
+from runtime.lowering.plan import Plan
 
 OPTIMIZER_STATE_BYTES = 8
 """AdamW's exp_avg and exp_avg_sq, fp32, per parameter."""
@@ -52,7 +52,7 @@ def tied_copies(plan: Plan) -> tuple[tuple[int, int], ...]:
     """Per stage: (elements of tied parameters it holds, of which its own regions own).
 
     A tied parameter (an embedding shared with the output head) is a whole copy with its
-    gradient and optimizer state on every stage of its tie group: `runtime.executor` sums
+    gradient and optimizer state on every stage of its tie group: `runtime.execute.executor` sums
     the copies apart from the stage's gradients and never ZeRO-shards them. The owner's
     elements are also in `stage_params`, at the ZeRO rate, so they are moved."""
     numel = dict(zip((p for p, _ in plan.model.tied), plan.model.tied_numel, strict=True))
@@ -102,7 +102,7 @@ class StageMemory:
     backward's I leaves for W (`held`), ZeRO-3's gathered parameters while a chunk runs and
     ZeRO-2/3's full gradient from a backward to its reduce-scatter. One account for the
     simulated peak (`peak_memory`) and the planner's bound from Orders
-    (`planner.memory_bound`), so the two agree by construction."""
+    (`planner.search.memory_bound`), so the two agree by construction."""
 
     act: tuple[int, ...]
     rebuilt: tuple[int, ...]
@@ -117,9 +117,9 @@ class StageMemory:
            early: Collection[int] = (), paired: bool = False) -> StageMemory:
         """`early`: stages whose ZeRO-2/3 units of at most `bucket_bytes` (or one larger
         parameter) start their reduce-scatters inside the backward
-        (`runtime.buckets.early_reduce_scatters`): two units' gradients alive at most.
+        (`runtime.execute.buckets.early_reduce_scatters`): two units' gradients alive at most.
         ZeRO-3's units are gathered two at a time inside a chunk unless the schedule runs
-        overlapped pairs (`paired`; `runtime.unit_gather.unit_gathers`)."""
+        overlapped pairs (`paired`; `runtime.execute.unit_gather.unit_gathers`)."""
         again = frozenset(recompute)
         act = tuple(round(costs.activation_bytes_of(rs, microbatch_size, s in again))
                     for s, rs in enumerate(stage_regions))

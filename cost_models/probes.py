@@ -2,8 +2,8 @@
 
 Collectives and P2P run on real `torch.distributed` process groups (gloo on CPU, NCCL on
 CUDA) that the caller has initialised; chunks run the same stage modules the runtime runs
-(`runtime.stage_module.build_stage`), one region at a time, forward then backward, on real
-tensors. Nothing here starts processes: `planner.profiling` hosts these in Ray actors.
+(`runtime.execute.stage_module.build_stage`), one region at a time, forward then backward, on real
+tensors. Nothing here starts processes: `planner.machine.profiling` hosts these in Ray actors.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import torch.distributed as dist
 from cost_models.fit import P2P, CommSample, MatmulSample, OptimizerSample
 from piper.capture import Captured
 from piper.model_file import ModelSpec
-from runtime.stage_module import build_stage
+from runtime.execute.stage_module import build_stage
 
 COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter")
 SEND_POST = "send_post"

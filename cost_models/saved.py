@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from piper.capture import Captured, to_meta
-from runtime.stage_module import StageModule, build_stage
+from runtime.execute.stage_module import StageModule, build_stage
 
 _META = torch.device("meta")
 

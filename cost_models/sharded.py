@@ -17,8 +17,8 @@ from cost_models.analytical import ModelCosts
 from cost_models.cluster import ClusterSpec
 from cost_models.task_costs import TaskCosts
 from piper.capture import Captured
-from runtime.plan import Plan
-from runtime.regather import is_sequence_gather, regathering_users
+from runtime.execute.regather import is_sequence_gather, regathering_users
+from runtime.lowering.plan import Plan
 
 
 @dataclass(frozen=True)
@@ -36,7 +36,7 @@ class InGraphComm:
     """Sequence parallelism: gathered tensors forward, reduce-scattered backward."""
     sequence_regather: tuple[tuple[int, ...], ...] = ()
     """Sequence parallelism: gathered again in backward by a linear that kept only its
-    slice (`runtime.regather`, Megatron's)."""
+    slice (`runtime.execute.regather`, Megatron's)."""
 
     def in_precision(self, costs: ModelCosts) -> InGraphComm:
         """These collectives' bytes when training in `costs.precision`: bf16 training

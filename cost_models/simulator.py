@@ -2,10 +2,10 @@
 
     pred = simulate(plan, model_costs(captured), load_cluster("h100-80gb"), microbatch_size=4)
 
-The simulator is one more executor of the same Plan the Ray workers run: `runtime.dryrun`
+The simulator is one more executor of the same Plan the Ray workers run: `runtime.lowering.dryrun`
 supplies the blocking semantics (RECV waits, collectives meet), this module only prices
 tasks and reads the resulting timeline. It keeps no cache of its own: the planner caches
-whole evaluations by a content hash of what they depend on (`planner.cache`).
+whole evaluations by a content hash of what they depend on (`planner.search.cache`).
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from cost_models.cluster import ClusterSpec
 from cost_models.memory import peak_memory
 from cost_models.task_costs import TaskCosts, task_costs
 from piper.dag import Kind
-from runtime.dryrun import Span
-from runtime.plan import COMPUTE_STREAM, PAIR_STREAM, Plan, Task
+from runtime.lowering.dryrun import Span
+from runtime.lowering.plan import COMPUTE_STREAM, PAIR_STREAM, Plan, Task
 
 MODEL_FLOPS_PER_FORWARD = 3
 """Forward + backward (2x forward): the model FLOPs MFU counts, recompute excluded."""

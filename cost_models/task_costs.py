@@ -1,7 +1,7 @@
 """Task durations of a Plan: what each task of each rank costs on a cluster.
 
 `task_costs` turns a model's analytical figures (`cost_models.analytical.ModelCosts`) and a
-`ClusterSpec` into the `duration` and `transfer` callables `runtime.dryrun.dry_run` runs a
+`ClusterSpec` into the `duration` and `transfer` callables `runtime.lowering.dryrun.dry_run` runs a
 Plan with: chunks op by op, optimizer steps per parameter tensor and by the bytes AdamW
 streams, collectives by `cost_models.comm`, ZeRO-3's units gathered inside their chunks.
 """
@@ -19,9 +19,9 @@ from cost_models import comm
 from cost_models.analytical import UPDATE_BYTES_PER_PARAM, ModelCosts
 from cost_models.cluster import ClusterSpec
 from piper.dag import Kind
-from runtime.buckets import early_reduce_scatters, early_stages
-from runtime.plan import Plan, Task
-from runtime.unit_gather import unit_gathers
+from runtime.execute.buckets import early_reduce_scatters, early_stages
+from runtime.execute.unit_gather import unit_gathers
+from runtime.lowering.plan import Plan, Task
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -51,9 +51,9 @@ class TaskCosts:
     buckets, or ZeRO's units; 0: one collective per stage."""
     early_buckets: frozenset[int] = frozenset()
     """Stages whose all-reduce buckets (inside their last backward) or ZeRO-2/3 unit
-    reduce-scatters (inside every backward) start early (`runtime.buckets`)."""
+    reduce-scatters (inside every backward) start early (`runtime.execute.buckets`)."""
     units: tuple[int, ...] = ()
-    """Per stage, the ZeRO-3 units its chunks gather one by one (`runtime.unit_gather`):
+    """Per stage, the ZeRO-3 units its chunks gather one by one (`runtime.execute.unit_gather`):
     the ALL_GATHER before a chunk brings the first, the chunk the others, each one ahead
     of the ops that read it; 0 or 1: the ALL_GATHER brings the stage whole."""
     unit_groups: tuple[tuple[int, ...], ...] = ()
@@ -228,9 +228,9 @@ def task_costs(plan: Plan, costs: ModelCosts, cluster: ClusterSpec,
 
 def zero3_units(plan: Plan, costs: ModelCosts, params: Sequence[int]
                 ) -> tuple[tuple[int, ...], tuple[tuple[int, ...], ...]]:
-    """Per stage, how many ZeRO-3 units `runtime.zero` makes of its parameters (units of at
+    """Per stage, how many ZeRO-3 units `runtime.execute.zero` makes of its parameters (units of at
     most `plan.bucket_bytes` of parameter bytes) and the group an ALL_GATHER of it uses;
-    empty where the plan gathers stages whole (`runtime.unit_gather.unit_gathers`)."""
+    empty where the plan gathers stages whole (`runtime.execute.unit_gather.unit_gathers`)."""
     if not unit_gathers(plan):
         return (), ()
     groups: dict[int, tuple[int, ...]] = {}

@@ -13,7 +13,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from runtime.data import write_synthetic_tokens
+from runtime.train.data import write_synthetic_tokens
 
 
 def main() -> None:

@@ -154,7 +154,7 @@ def capture(spec: ModelSpec, batch: int, sharding: ModelSharding | None = None, 
     With `sharding`, the model is first cut to one rank's tensor/expert-parallel slice, so
     the graph has local shapes and the in-graph collectives (what a worker executes).
     `prepare` may rewrite the freshly built model first (the planner keeps two of many
-    identical layers, see `planner.repeats`, because tracing time grows with op count).
+    identical layers, see `planner.search.repeats`, because tracing time grows with op count).
     A model whose forward enters no region is traced again with automatic regions
     (`piper.regions`); `Captured.auto` then says what they are.
     """
@@ -169,7 +169,7 @@ def capture(spec: ModelSpec, batch: int, sharding: ModelSharding | None = None, 
 
 
 TRACE_DEVICE = "cpu"
-"""The device type fake tensors claim during capture (`runtime.stage_module` points the
+"""The device type fake tensors claim during capture (`runtime.execute.stage_module` points the
 ops that name it at the stage's real device). CPU on every machine, so a capture is the
 same wherever it is made; a branch on the device type takes the CPU side, which also runs
 on GPUs in the cases we know (transformers' MoE offsets)."""

@@ -158,7 +158,7 @@ class TrainingDAG:
     recompute: tuple[int, ...] = ()  # stages whose activations are rebuilt in backward
     pairs: tuple[tuple[Node, Node], ...] = ()  # overlapped (forward, backward), replica 0 (Order)
     kept: tuple[int, ...] = ()
-    """Replicas whose nodes exist; empty: all. A simulation view (`planner.replicas`): data-
+    """Replicas whose nodes exist; empty: all. A simulation view (`planner.search.replicas`): data-
     parallel replicas that run alike are simulated once; their collectives keep whole groups."""
 
     @property

@@ -65,7 +65,7 @@ class ModelSpec:
     index_attrs: tuple[str, ...] = ()
     """Attributes a repeated block keeps only as its position (transformers' `layer_idx`
     indexes the KV cache, which training does not keep): copies differing only there are
-    identical for planning (`planner.repeats`)."""
+    identical for planning (`planner.search.repeats`)."""
 
     @property
     def source(self) -> tuple[str, tuple[tuple[str, Any], ...], tuple[tuple[str, Any], ...]]:

@@ -1,4 +1,4 @@
-"""Paths of files a cluster run shipped to its workers (`runtime.cluster.ship`).
+"""Paths of files a cluster run shipped to its workers (`runtime.cluster.join.ship`).
 
 Ray unpacks a shipped folder somewhere of its choosing on each node, as an importable
 package (`runtime_env` `py_modules`), and a worker's current directory may change under it

@@ -17,7 +17,7 @@ from piper.model_file import DEFAULT_BATCH_SIZE
 from planner.commands.common import DEFAULT_CLUSTER, EXIT_BAD_INPUT, EXIT_RUNTIME
 
 SAMPLERS = ("tpe", "gp", "nsga2", "grid")
-"""Optuna samplers `search --sampler` offers (`planner.samplers` builds them; named here so
+"""Optuna samplers `search --sampler` offers (`planner.search.samplers` builds them; named here so
 that parsing the command line needs no Optuna)."""
 OPTIONAL = {"ray": "pip install 'ray[tune]'; `simulate`, `run --launcher local` or "
                    "`--launcher torchrun` and `profile --launcher local` run without it",
@@ -45,8 +45,8 @@ RAY_ADDRESS_HELP = ("Ray cluster to join: HOST:PORT from one of its nodes, ray:/
 
 def build_parser() -> argparse.ArgumentParser:
     from planner.commands.run import add_train_flags
-    from planner.strategy import add_shorthand_flags
-    from runtime.training import PRECISIONS
+    from planner.search.strategy import add_shorthand_flags
+    from runtime.train.training import PRECISIONS
 
     p = _Parser(prog="piper-plan", description="Search, simulate and run distributed "
                 "training strategies for a PyTorch model.")

@@ -71,7 +71,7 @@ class PipelineSpace(SearchSpace):
     bad_shardings: tuple[tuple[int, int], ...] = ()
     """(tp, ep) pairs whose degrees each run alone but the model's code not together."""
     recomputes: tuple[bool, ...] = (False,)
-    """Activation recompute off/on; (False, True) doubles the space (`planner.space` asks
+    """Activation recompute off/on; (False, True) doubles the space (`planner.search.space` asks
     for it in a real search)."""
     comm_streams: tuple[bool, ...] = (False,)
     """Gradient collectives on the compute stream / on their own (only with dp > 1)."""
@@ -123,7 +123,7 @@ class PipelineSpace(SearchSpace):
 
     def terms(self) -> dict[str, list[Any]]:
         """Every value each term of a strategy's summary (`Program.summary`) takes in this
-        space, for studies to show trials in those terms (`planner.search.strategy_params`)."""
+        space, for studies to show trials in those terms (`planner.search.loop.strategy_params`)."""
         pts = [dict(zip(_NAMES, t, strict=True)) for t in _feasible_tuples(self)]
 
         def values(f: Any) -> list[Any]:
@@ -146,7 +146,7 @@ class PipelineSpace(SearchSpace):
         ZeRO stage over every device, no pipeline) and FSDP with tensor parallelism over a
         node (the largest TP degree), without and with recompute, at the smallest
         microbatch and the next; the valid ones, most likely first. A search starts from
-        them (`planner.search.starting_points`), so its pick is never worse than these in
+        them (`planner.search.loop.starting_points`), so its pick is never worse than these in
         its own simulator."""
         keys = set(self.grid())
         zero = max(self.zeros)
@@ -178,10 +178,10 @@ class PipelineSpace(SearchSpace):
 
         A bucket size changes the price of the data-parallel collectives (how much of a
         gradient collective hides under the backward that makes it) and, with ZeRO-2/3, the
-        unsharded gradient a microbatch holds (units: `runtime.zero`); as a sampled
+        unsharded gradient a microbatch holds (units: `runtime.execute.zero`); as a sampled
         dimension it spread TPE's trials thin (GPT-1B x16: 2 of 5 seeds within 1% of the
         grid's optimum; BENCHMARKS.md). So a search scores every size that fits for each
-        point it samples and keeps the fastest (`planner.search.score`), and the grid's
+        point it samples and keeps the fastest (`planner.search.loop.score`), and the grid's
         optimum is over the whole product all the same."""
         out = [point]
         for b in self.buckets:
@@ -291,7 +291,7 @@ def model_space(graph: ModelGraph, region_costs: tuple[float, ...], gpus: int,
     """Every schedule and ZeRO stage, plus the tensor-parallel degrees the model's TP_PLAN
     allows within one node and the expert-parallel degrees its experts allow. Recompute, the
     comm stream and buckets are left off (`recomputes`, `comm_streams`, `buckets`); the
-    planner's search adds them (`planner.space`)."""
+    planner's search adds them (`planner.search.space`)."""
     tps = [1]
     if graph.tp_plan:
         targets = plan_targets(graph.tp_plan, dict(graph.linears))

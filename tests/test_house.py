@@ -1,6 +1,7 @@
 """The house rules of the source tree, kept by a test: modules import each other one way (no
-circle, counting imports inside functions too), no module imports another's private
-(`_name`) names, and no module grows past 500 lines."""
+circle, counting imports inside functions too), packages import only the layers below them
+(`LAYERS`, as each package's docstring says), no module imports another's private (`_name`)
+names, and no module grows past 500 lines."""
 
 from __future__ import annotations
 
@@ -13,6 +14,16 @@ from tests.conftest import ROOT
 
 PACKAGES = ("piper", "planner", "cost_models", "search_spaces", "runtime")
 MAX_LINES = 500
+LAYERS = ("piper", "search_spaces", "runtime.train", "runtime.lowering", "runtime.execute",
+          "runtime.cluster", "runtime", "cost_models", "planner.search", "planner.machine",
+          "planner.report", "planner.commands", "planner")
+"""Bottom to top: a module imports its own layer and those below it, never one above."""
+
+
+def layer(module: str) -> int:
+    """The index in `LAYERS` of the longest prefix of `module`."""
+    return max((i for i, p in enumerate(LAYERS) if module == p or module.startswith(f"{p}.")),
+               key=lambda i: len(LAYERS[i]))
 
 
 def modules(root: Path = ROOT, packages: tuple[str, ...] = PACKAGES) -> dict[str, Path]:
@@ -45,41 +56,55 @@ def imports(path: Path, name: str, known: set[str]) -> list[tuple[str, list[str]
 
 
 def violations(root: Path = ROOT, packages: tuple[str, ...] = PACKAGES
-               ) -> tuple[list[list[str]], list[str], list[str]]:
-    """(import circles, private imports, long modules) of the tree at `root`."""
+               ) -> tuple[list[list[str]], list[str], list[str], list[str]]:
+    """(import circles, imports of a layer above, private imports, long modules) of the
+    tree at `root`."""
     mods = modules(root, packages)
     graph = nx.DiGraph()
-    private, long = [], []
+    upward, private, long = [], [], []
     for name, path in mods.items():
         graph.add_node(name)
         for target, names in imports(path, name, set(mods)):
             if target != name and not name.startswith(f"{target}."):
                 graph.add_edge(name, target)  # a package's __init__ is its children's parent
+                if layer(target) > layer(name):
+                    upward.append(f"{name} imports {target}")
             private += [f"{name} imports {n} from {target}" for n in names
                         if n.startswith("_") and not n.startswith("__") and target != name]
         lines = len(path.read_text().splitlines())
         if lines > MAX_LINES:
             long.append(f"{name}: {lines} lines")
     circles = [sorted(c) for c in nx.strongly_connected_components(graph) if len(c) > 1]
-    return circles, private, long
+    return circles, upward, private, long
 
 
-def test_no_import_circles_no_private_imports_no_long_modules():
-    circles, private, long = violations()
+def test_no_import_circles_no_upward_or_private_imports_no_long_modules():
+    circles, upward, private, long = violations()
     assert not circles, f"import circles: {circles}"
+    assert not upward, upward
     assert not private, private
     assert not long, long
 
 
+def test_every_package_says_what_lives_there():
+    """Each package's `__init__` has a docstring (what lives there, what it may import)."""
+    for name, path in modules().items():
+        if path.name == "__init__.py":
+            doc = ast.get_docstring(ast.parse(path.read_text()))
+            assert doc and len(doc.splitlines()) <= 4, f"{name}: {doc!r}"
+
+
 def test_the_rules_catch_what_they_forbid(tmp_path):
-    """A circle, a private import and a long module in a throwaway tree are all found."""
+    """A circle, an import of a layer above, a private import and a long module in a
+    throwaway tree are all found."""
     for pkg in ("piper", "planner"):
         (tmp_path / pkg).mkdir()
         (tmp_path / pkg / "__init__.py").write_text("")
     (tmp_path / "piper" / "a.py").write_text("from planner.b import _hidden\n")
     (tmp_path / "planner" / "b.py").write_text("def f():\n    import piper.a\n" +
                                                 "x = 1\n" * MAX_LINES)
-    circles, private, long = violations(tmp_path, ("piper", "planner"))
+    circles, upward, private, long = violations(tmp_path, ("piper", "planner"))
     assert circles == [["piper.a", "planner.b"]]
+    assert upward == ["piper.a imports planner.b"]
     assert private == ["piper.a imports _hidden from planner.b"]
     assert long == [f"planner.b: {MAX_LINES + 2} lines"]

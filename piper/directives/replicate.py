@@ -32,7 +32,7 @@ class Replicate(Directive):
     With SplitBackward, W(s,m) takes B's place before the reduce-scatter, and ZeRO-3 gathers
     only before I: AG_B(s,m) -> I(s,m) -> W(s,m) -> RS(s,m). W reads no parameters (it
     multiplies what I kept: each matmul's input and output gradient, see
-    `runtime.weight_grad`), so the parameters are freed right after I.
+    `runtime.execute.weight_grad`), so the parameters are freed right after I.
 
     ZeRO-2 and -3 act per microbatch, so they compose with any pipeline schedule.
 
@@ -41,11 +41,11 @@ class Replicate(Directive):
     parameter order. When AR(s) is on the compute stream and the stage's backward is not
     split, each bucket starts from inside the stage's last backward as soon as its
     gradients are final, so the all-reduce overlaps the rest of that backward
-    (`runtime.buckets`). With ZeRO-1/2/3 the stage is sharded in units of those buckets
+    (`runtime.execute.buckets`). With ZeRO-1/2/3 the stage is sharded in units of those buckets
     (FSDP's units; without a cap the whole stage is one), each gathered and reduce-scattered
     on its own; ZeRO-2/3 then start each unit's reduce-scatter from inside every backward
     under the same conditions (every data-parallel collective on the compute stream), so a
-    microbatch's unsharded gradient never lives whole (`runtime.zero`).
+    microbatch's unsharded gradient never lives whole (`runtime.execute.zero`).
     """
 
     degree: int

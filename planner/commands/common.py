@@ -67,7 +67,7 @@ def with_gpus_per_node(cluster: Any, per_node: int | None) -> Any:
 
 def program_of(args: argparse.Namespace, ev: Any) -> Any:
     from piper.program import Program
-    from planner.strategy import shorthand_program
+    from planner.search.strategy import shorthand_program
 
     if args.strategy:
         shorthand = [f for f in ("pp", "dp", "tp", "ep", "schedule", "microbatches",

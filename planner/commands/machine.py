@@ -20,8 +20,8 @@ from planner.commands.common import (
 
 
 def profile(args: argparse.Namespace) -> int:
-    from planner.profile import check_request, profile
-    from runtime.jobs import RuntimeFailure
+    from planner.machine.profile import check_request, profile
+    from runtime.cluster.jobs import RuntimeFailure
 
     spec = spec_of(args)
     device = device_of(args)

@@ -12,7 +12,7 @@ import sys
 from typing import Any
 
 from piper.errors import PiperError
-from runtime.training import PRECISIONS, SCHEDULES, TrainConfig
+from runtime.train.training import PRECISIONS, SCHEDULES, TrainConfig
 
 CHECK_RTOL = {"fp32": 1e-4, "bf16-mixed": 2e-2, "bf16": 5e-2}
 
@@ -78,7 +78,7 @@ def train_config(args: argparse.Namespace, device: str) -> TrainConfig:
 
 
 def _files(items: list[str] | None) -> str | tuple[str, ...] | None:
-    """One file as its path, a blend as its items (`runtime.data.parse_blend`)."""
+    """One file as its path, a blend as its items (`runtime.train.data.parse_blend`)."""
     if not items:
         return None
     return items[0] if len(items) == 1 else tuple(items)
@@ -91,7 +91,7 @@ def run(args: argparse.Namespace) -> int:
     if args.launcher is None:  # torchrun names its workers' run: started by it, run under it
         args.launcher = "torchrun" if os.environ.get("TORCHELASTIC_RUN_ID") else "ray"
     if args.launcher == "torchrun":
-        from runtime.process_ranks import Torchrun, serve
+        from runtime.cluster.process_ranks import Torchrun, serve
 
         torchrun = Torchrun.from_env()
         if torchrun is None:
@@ -102,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
             serve(torchrun.store, torchrun.rank, torchrun.world, torchrun.place())
             return 0
     elif args.launcher == "local":
-        from runtime.process_ranks import prestart
+        from runtime.cluster.process_ranks import prestart
 
         prestart()  # the ranks' imports, on the other core while this one plans
     try:
@@ -123,6 +123,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _drive(args: argparse.Namespace, torchrun: Any) -> int:
     from cost_models import CATALOG
+    from cost_models.cluster import device_peak_flops
     from planner.commands.common import (
         EXIT_FAILED,
         EXIT_OK,
@@ -136,15 +137,15 @@ def _drive(args: argparse.Namespace, torchrun: Any) -> int:
         tell_regions,
         with_gpus_per_node,
     )
-    from planner.evaluate import Evaluator
-    from planner.export import predicted_of
-    from planner.metrics import MetricsLog, device_peak_flops
-    from planner.report import summary_line
-    from planner.trace import write_trace
-    from runtime.data import BatchSource
-    from runtime.jobs import RuntimeFailure, describe_nodes
-    from runtime.lowering import lower
-    from runtime.reference import max_rel_diff, reference_run
+    from planner.report.export import predicted_of
+    from planner.report.tables import summary_line
+    from planner.report.trace import write_trace
+    from planner.search.evaluate import Evaluator
+    from runtime.cluster.jobs import RuntimeFailure, describe_nodes
+    from runtime.lowering.lower import lower
+    from runtime.train.data import BatchSource
+    from runtime.train.metrics import MetricsLog
+    from runtime.train.reference import max_rel_diff, reference_run
 
     spec = spec_of(args)
     if args.steps < 1:
@@ -249,7 +250,7 @@ def _drive(args: argparse.Namespace, torchrun: Any) -> int:
 def _check_launch(args: argparse.Namespace, device: str, torchrun: Any) -> None:
     """Refuse ranks the launcher cannot start, before anything is built."""
     if args.launcher == "ray":
-        from runtime.launcher import check_workers
+        from runtime.cluster.launcher import check_workers
 
         check_workers(args.gpus, device, args.address)
         return
@@ -261,22 +262,22 @@ def _check_launch(args: argparse.Namespace, device: str, torchrun: Any) -> None:
             raise PiperError(f"--gpus {args.gpus}, but torchrun started {torchrun.world} "
                              "processes (--nnodes x --nproc-per-node must equal --gpus)")
         return
-    from runtime.jobs import check_machine
+    from runtime.cluster.jobs import check_machine
 
     check_machine(args.gpus, device, "--launcher ray --address joins a cluster with more")
 
 
 def _job(args: argparse.Namespace, spec: Any, plan: Any, batch: int, device: str,
          train: TrainConfig, done: int, torchrun: Any) -> Any:
-    """The launcher's job (`runtime.jobs.Driver`): the same steps whatever started the ranks."""
+    """The launcher's job (`runtime.cluster.jobs.Driver`): the same steps whatever started the ranks."""
     if args.launcher == "ray":
-        from runtime.launcher import Job
+        from runtime.cluster.launcher import Job
 
         return Job(spec, plan, batch_size=batch, seed=args.seed, device=device,
                    address=args.address, timeout_s=args.timeout, train=train, done=done,
                    per_node=args.gpus_per_node,
                    shared=(args.checkpoint_dir,) if args.checkpoint_dir else ())
-    from runtime.process_job import ProcessJob
+    from runtime.cluster.process_job import ProcessJob
 
     return ProcessJob(spec, plan, batch_size=batch, seed=args.seed, device=device,
                       timeout_s=args.timeout, train=train, done=done, torchrun=torchrun)
@@ -285,8 +286,8 @@ def _job(args: argparse.Namespace, spec: Any, plan: Any, batch: int, device: str
 def _resume_point(args: argparse.Namespace, spec: Any, batch: int) -> tuple[int, Any]:
     """(steps trained, folder) of the newest complete checkpoint, checked against this run
     on the driver: a mismatch is bad input (exit 2), not a worker failing to load."""
-    from runtime import checkpoint
-    from runtime.rank_stages import full_model_names
+    from runtime.execute.rank_stages import full_model_names
+    from runtime.train import checkpoint
 
     folder = checkpoint.latest(args.checkpoint_dir)
     if folder is None:
@@ -309,7 +310,7 @@ def _tokens_per_sample(spec: Any) -> int:
 
 def _progress(row: dict[str, Any], steps: int, predicted: dict | None = None) -> str:
     """One step's line; beside the first, what the search predicted for the strategy."""
-    from planner.report import fmt_bytes
+    from planner.report.tables import fmt_bytes
 
     mfu = f"  MFU {row['mfu'] * 100:.1f}%" if row["mfu"] is not None else ""
     said = (f"  (search predicted {predicted['step_time_s'] * 1e3:.1f} ms, "

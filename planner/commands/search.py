@@ -16,7 +16,6 @@ from piper.errors import PiperError
 
 def search(args: argparse.Namespace) -> int:
     from cost_models.accuracy import accuracy_line
-    from planner.advice import warnings_for
     from planner.commands.common import (
         EXIT_FAILED,
         EXIT_OK,
@@ -29,11 +28,12 @@ def search(args: argparse.Namespace) -> int:
         spec_of,
         tell_regions,
     )
-    from planner.evaluate import Evaluator
-    from planner.export import write_figures, write_outputs
-    from planner.replicas import stands_for
-    from planner.report import pareto, predicted_line, results_table, summary_line, unused
-    from planner.space import search_space
+    from planner.report.advice import warnings_for
+    from planner.report.export import write_figures, write_outputs
+    from planner.report.tables import pareto, predicted_line, results_table, summary_line, unused
+    from planner.search.evaluate import Evaluator
+    from planner.search.replicas import stands_for
+    from planner.search.space import search_space
 
     spec = spec_of(args)
     if args.trials < 1:
@@ -42,7 +42,7 @@ def search(args: argparse.Namespace) -> int:
         raise PiperError(f"--measure must be >= 0, got {args.measure}")
     device = None
     if args.measure:  # refuse a run this machine cannot host before searching, not after
-        from runtime.launcher import check_workers
+        from runtime.cluster.launcher import check_workers
 
         device = device_of(args)
         check_workers(args.gpus, device, args.address)
@@ -52,7 +52,7 @@ def search(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     storage = args.storage or f"sqlite:///{(out / 'study.db').resolve()}"
     if args.storage:
-        from planner.search import open_storage
+        from planner.search.loop import open_storage
 
         open_storage(storage)  # a bad URL is said now, not after the capture
     t0 = time.perf_counter()
@@ -75,16 +75,16 @@ def search(args: argparse.Namespace) -> int:
     # is the slow part of measuring)
     one_ray: Any = contextlib.nullcontext()
     if args.backend == "ray" and args.measure > 0:
-        from runtime.cluster import joined
+        from runtime.cluster.join import joined
 
         one_ray = joined(args.address, [spec.source[0]])
     with one_ray:
         if args.backend == "ray":
-            from planner.ray_search import run_ray_search
+            from planner.search.ray_search import run_ray_search
 
             result = run_ray_search(ev, space, address=args.address, out=str(out), **common)
         else:
-            from planner.search import run_search
+            from planner.search.loop import run_search
 
             result = run_search(ev, space, progress=not args.json, **common)
         log(f"{result.trials + result.pruned_trials + result.failed_trials} trials: "
@@ -95,7 +95,8 @@ def search(args: argparse.Namespace) -> int:
             f"{result.failed_trials} failed")
         measured: list[Any] = []
         if args.measure and result.best is not None:
-            from planner.measure import measure, table
+            from planner.report.tables import measured_table
+            from planner.search.measure import measure
 
             log(f"measuring the {args.measure} best predicted strategies on {args.gpus} "
                 f"{device} workers")
@@ -106,7 +107,7 @@ def search(args: argparse.Namespace) -> int:
             measured = measure(spec, result.records, args.measure, gpus=args.gpus,
                                batch_size=batch, device=device, seed=args.seed,
                                address=args.address, log=log, per_node=cluster.gpus_per_node)
-            log(table(measured))
+            log(measured_table(measured))
             if measured and measured[0].median_s is not None:
                 result = dataclasses.replace(result, best=measured[0].record)
     files = write_outputs(out, spec, cluster_name, args.gpus, batch, result, ev.precision)

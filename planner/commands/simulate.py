@@ -20,9 +20,9 @@ from planner.commands.common import (
 
 def simulate(args: argparse.Namespace) -> int:
     from cost_models import predicted_json
-    from planner.evaluate import Evaluator
-    from planner.report import predicted_line, summary_line
-    from planner.trace import write_trace
+    from planner.report.tables import predicted_line, summary_line
+    from planner.report.trace import write_trace
+    from planner.search.evaluate import Evaluator
 
     spec = spec_of(args)
     cluster, _ = cluster_of(args, announce=False)
@@ -34,8 +34,8 @@ def simulate(args: argparse.Namespace) -> int:
     if args.trace:
         write_trace(result.prediction.spans, args.trace)
     if args.timeline:
-        from planner.plots import write_timeline
-        from planner.replicas import stands_for
+        from planner.report.plots import write_timeline
+        from planner.search.replicas import stands_for
 
         write_timeline(result.prediction.spans, args.timeline,
                        stands_for=stands_for(result.plan, cluster),
@@ -79,7 +79,7 @@ def _usage_lines(pred: Any, alike: dict[int, int], most: int = 16) -> list[str]:
 
 def _alike(plan: Any, cluster: Any) -> dict[int, int]:
     """Logical rank of each simulated replica -> the other replicas it stands for."""
-    from planner.replicas import replica_kinds
+    from planner.search.replicas import replica_kinds
 
     kinds = replica_kinds(plan.mesh, cluster)
     return {rp.rank: len(kinds.get(rp.replica, (rp.replica,))) - 1 for rp in plan.ranks}

@@ -9,7 +9,7 @@ from planner.commands.common import EXIT_OK, emit, log
 
 
 def show(args: argparse.Namespace) -> int:
-    from planner.studies import load, show_json, show_text
+    from planner.report.studies import load, show_json, show_text
 
     study = load(args.storage, args.study_name)
     if args.json:
@@ -20,9 +20,9 @@ def show(args: argparse.Namespace) -> int:
 
 
 def export(args: argparse.Namespace) -> int:
-    from planner.report import predicted_line, summary_line
-    from planner.studies import export as export_trial
-    from planner.studies import load
+    from planner.report.studies import export as export_trial
+    from planner.report.studies import load
+    from planner.report.tables import predicted_line, summary_line
 
     path, rec = export_trial(load(args.storage, args.study_name), args.trial, args.out)
     log(f"wrote {path}: trial {rec.number}: {summary_line(rec.summary)}\n"
@@ -31,7 +31,7 @@ def export(args: argparse.Namespace) -> int:
 
 
 def export_weights(args: argparse.Namespace) -> int:
-    from runtime import export_weights as weights
+    from runtime.train import export_weights as weights
 
     n = weights.export_weights(args.checkpoint, args.out)
     log(f"wrote {args.out}: {n} tensors")

@@ -11,8 +11,8 @@ import piper
 from cost_models import ClusterSpec, ModelCosts, model_costs
 from piper import schedules
 from piper.model_file import load_model_file
-from runtime.plan import Plan
-from runtime.scheduler import schedule
+from runtime.lowering.plan import Plan
+from runtime.lowering.scheduler import schedule
 
 TINY = (("size", "tiny"),)
 MICROBATCH = 2

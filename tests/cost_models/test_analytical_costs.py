@@ -21,7 +21,7 @@ from cost_models.analytical import (
 from cost_models.comm import p2p_time, ring_all_reduce_time
 from piper.dag import Kind
 from piper.model_file import load_model_file
-from runtime.plan import Plan, Task
+from runtime.lowering.plan import Plan, Task
 
 SEQ, DIM = 16, 32  # examples/gpt.py CONFIGS["tiny"]
 

@@ -10,7 +10,7 @@ import pytest
 from cost_models import ClusterSpec, ModelCosts, simulate, task_costs
 from cost_models.comm import ring_all_reduce_time
 from piper.dag import Kind
-from runtime.plan import Plan
+from runtime.lowering.plan import Plan
 
 
 @pytest.fixture(scope="module")
@@ -148,9 +148,9 @@ def test_zero3_units_hold_two_units_gathered_not_the_stage(make_plan, costs: Mod
 def test_overlapped_pairs_gather_zero3_stages_whole(make_plan, costs: ModelCosts, ideal_cluster):
     """Under dualpipev a paired backward runs on another thread: its gathers would meet the
     other lane's on one communicator, so units are not gathered inside chunks there, and
-    the models price and hold the stage whole (`runtime.unit_gather.unit_gathers`)."""
+    the models price and hold the stage whole (`runtime.execute.unit_gather.unit_gathers`)."""
     from cost_models.memory import StageMemory
-    from runtime.unit_gather import unit_gathers
+    from runtime.execute.unit_gather import unit_gathers
 
     plain = make_plan("1f1b", pp=2, microbatches=4, dp=2, zero=3, bucket_mb=0.01)
     pairs = make_plan("dualpipev", pp=2, microbatches=4, dp=2, zero=3, bucket_mb=0.01)

@@ -11,8 +11,8 @@ import pytest
 
 from cost_models import CATALOG, ClusterSpec, ModelCosts, simulate
 from cost_models.calibrate import RunSample, _in_run, task_gaps
-from runtime.dryrun import Span
-from runtime.plan import Plan
+from runtime.lowering.dryrun import Span
+from runtime.lowering.plan import Plan
 
 GAP = 2e-4
 

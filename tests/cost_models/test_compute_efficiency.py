@@ -15,7 +15,7 @@ from cost_models.analytical import (
 )
 from piper.dag import Kind
 from piper.errors import PiperError
-from runtime.plan import Plan
+from runtime.lowering.plan import Plan
 
 
 def test_matmul_rate_is_half_of_peak_at_the_half_size_and_saturates(

@@ -10,8 +10,8 @@ import piper
 from cost_models import ClusterSpec, ModelCosts, simulate
 from piper import Program, schedules
 from piper.directives import Stream
-from runtime.plan import Plan
-from runtime.scheduler import schedule
+from runtime.lowering.plan import Plan
+from runtime.lowering.scheduler import schedule
 
 ALL = [["embed", "layer.0", "layer.1", "layer.2", "layer.3", "head"]]
 

@@ -14,8 +14,8 @@ from cost_models.memory import activation_bytes, static_bytes, zero_bytes_per_pa
 from piper import schedules
 from piper.model_file import load_model_file
 from piper.sharding import ModelSharding
-from runtime.plan import Plan
-from runtime.scheduler import schedule
+from runtime.lowering.plan import Plan
+from runtime.lowering.scheduler import schedule
 from tests.conftest import ROOT
 
 SKIP_MLP = str(ROOT / "tests" / "models" / "skip_mlp.py")
@@ -85,7 +85,7 @@ def test_saved_bytes_on_meta_equal_eager_autograd_on_real_tensors(costs: ModelCo
 def test_a_layer_keeps_what_korthikanti_counts(tp: int, sp: bool) -> None:
     """Korthikanti et al. 2022 (2205.05198), eq. 1-4 with flash attention (no s² terms):
     bytes per layer at 16 bits are s·b·h·(10 + 24/t) with tensor parallelism, 34·s·b·h/t
-    with sequence parallelism too (each linear keeps its input's slice, `runtime.regather`),
+    with sequence parallelism too (each linear keeps its input's slice, `runtime.execute.regather`),
     less the two 1-byte dropout masks this GPT does not have (s·b·h, or s·b·h/t with SP);
     full recompute keeps the layer's input, 2·s·b·h (/t with SP)."""
     spec = load_model_file(str(ROOT / "examples" / "gpt.py"), (("size", "mini"),))
@@ -115,7 +115,7 @@ def test_recompute_keeps_far_less_per_microbatch(make_plan: Callable[..., Plan],
 def test_zero_units_hold_two_units_of_a_microbatch_gradient(make_plan: Callable[..., Plan],
                                                             costs: ModelCosts) -> None:
     from cost_models.memory import StageMemory
-    from runtime.buckets import early_reduce_scatters
+    from runtime.execute.buckets import early_reduce_scatters
 
     plan = make_plan("1f1b", pp=2, microbatches=4, dp=2, zero=3, bucket_mb=0.01)
     early = early_reduce_scatters(plan)

@@ -13,8 +13,8 @@ from cost_models.analytical import with_precision
 from cost_models.memory import bytes_per_param
 from cost_models.task_costs import gathered_element_size
 from piper.model_file import load_model_file, parse_model_args
-from planner.evaluate import Evaluator
-from planner.strategy import shorthand_program
+from planner.search.evaluate import Evaluator
+from planner.search.strategy import shorthand_program
 from tests.conftest import GPT
 
 

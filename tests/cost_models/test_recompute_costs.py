@@ -14,8 +14,8 @@ from cost_models.memory import activation_bytes
 from cost_models.sharded import InGraphComm, with_in_graph_comm
 from piper import schedules
 from piper.dag import Kind
-from runtime.plan import Plan, Task
-from runtime.scheduler import schedule
+from runtime.lowering.plan import Plan, Task
+from runtime.lowering.scheduler import schedule
 from tests.cost_models.conftest import MICROBATCH, STAGES
 
 

@@ -19,8 +19,8 @@ from cost_models.task_costs import task_costs
 from piper import schedules
 from piper.model_file import load_model_file
 from piper.sharding import ModelSharding
-from planner.evaluate import Evaluator
-from runtime.scheduler import schedule
+from planner.search.evaluate import Evaluator
+from runtime.lowering.scheduler import schedule
 from tests.conftest import GPT, ROOT
 
 TINY = (("size", "tiny"),)

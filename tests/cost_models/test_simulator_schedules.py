@@ -22,9 +22,9 @@ from cost_models.memory import static_bytes
 from cost_models.simulator import Prediction
 from piper import schedules
 from piper.dag import Kind
-from runtime.dryrun import Span, dry_run
-from runtime.plan import COMPUTE_STREAM, PAIR_STREAM, Plan
-from runtime.scheduler import schedule
+from runtime.lowering.dryrun import Span, dry_run
+from runtime.lowering.plan import COMPUTE_STREAM, PAIR_STREAM, Plan
+from runtime.lowering.scheduler import schedule
 from tests.cost_models.conftest import MICROBATCH, STAGES
 
 LAYERS = 4  # examples/gpt.py CONFIGS["tiny"]; STAGES puts LAYERS / pp of them on each stage

@@ -13,7 +13,7 @@ import piper
 from piper.errors import PiperError
 from piper.model_file import ModelSpec, default_loss
 from piper.regions import find_blocks
-from runtime.stage_module import build_stage
+from runtime.execute.stage_module import build_stage
 
 
 class Block(nn.Module):

@@ -9,7 +9,7 @@ import piper
 from piper import schedules
 from piper.dag import Kind
 from piper.model_file import load_model_file
-from runtime.scheduler import schedule
+from runtime.lowering.scheduler import schedule
 from tests.conftest import GPT
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch.distributed as dist
 
-from runtime.jobs import free_port
+from runtime.cluster.jobs import free_port
 
 
 @pytest.fixture

@@ -12,11 +12,11 @@ from hypothesis import strategies as st
 from cost_models import CATALOG
 from piper.dag import Kind, verify
 from piper.model_file import load_model_file, parse_model_args
-from planner.evaluate import Evaluator
-from runtime.launcher import run
-from runtime.lowering import apply_for, lower
-from runtime.reference import max_rel_diff, reference_losses
-from runtime.scheduler import schedule
+from planner.search.evaluate import Evaluator
+from runtime.cluster.launcher import run
+from runtime.lowering.lower import apply_for, lower
+from runtime.lowering.scheduler import schedule
+from runtime.train.reference import max_rel_diff, reference_losses
 from search_spaces import PipelineSpace
 from search_spaces.pipeline import ALL_SCHEDULES
 from tests.conftest import GPT, ROOT

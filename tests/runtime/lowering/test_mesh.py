@@ -1,0 +1,26 @@
+"""The rank layout: TP innermost, expert groups inside a device's replicas."""
+
+from __future__ import annotations
+
+from runtime.lowering.mesh import Mesh
+
+
+def test_physical_ranks_put_tensor_parallel_peers_next_to_each_other() -> None:
+    m = Mesh(pp=2, dp=2, tp=2)
+    assert m.world_size == 8
+    assert [m.split(p) for p in range(4)] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert m.tp_group(3) == (6, 7)
+    assert m.lift((0, 1), 1) == (1, 3), "a DP group of logical ranks, as TP index 1 sees it"
+
+
+def test_expert_groups_split_a_devices_replicas() -> None:
+    m = Mesh(pp=2, dp=4, ep=2)
+    assert [m.ep_group(L) for L in (4, 5, 6, 7)] == [(4, 5), (4, 5), (6, 7), (6, 7)]
+    assert [m.expert_dp_group(L) for L in (4, 5, 6, 7)] == [(4, 6), (5, 7), (4, 6), (5, 7)]
+
+
+def test_groups_are_every_lifted_group_once_in_one_order() -> None:
+    m = Mesh(pp=1, dp=4, tp=1, ep=2)
+    assert m.groups(((0, 1, 2, 3),)) == [(0, 1), (0, 1, 2, 3), (0, 2), (1, 3), (2, 3)]
+    t = Mesh(pp=1, dp=2, tp=2)
+    assert t.groups(((0, 1),)) == [(0, 1), (0, 2), (1, 3), (2, 3)]

@@ -330,7 +330,8 @@ class RankExecutor(ChunkMath, Checkpointing):
             grads = task.kind in (Kind.BWD, Kind.BWD_I, Kind.BWD_W, Kind.UPDATE,
                                   Kind.ALL_REDUCE)
             self.ledger.observe(self.params, self.optim, self.sharded, st.saved,
-                                (-1 if task.values else task.stage) if grads else None)
+                                (-1 if task.values else task.stage) if grads else None,
+                                task.kind is Kind.UPDATE)
         return True
 
     def _run_task(self, task: Task, st: StepState) -> None:

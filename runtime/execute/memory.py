@@ -38,7 +38,7 @@ class MemoryLedger:
         self.device = device
         self._peak = 0
         self._model_state_peak = 0
-        self._param_bytes: dict[Any, list[int]] = {}  # by stage: its parameters' sizes
+        self._param_bytes: dict[Any, tuple[list[int], int]] = {}  # by stage: sizes, sum
         self._optim_bytes: dict[int, tuple[int, int]] = {}  # id(optim): (states, bytes)
         self._grad_bytes: dict[Any, int] = {}  # by stage, as last counted
 
@@ -51,15 +51,19 @@ class MemoryLedger:
 
     def start_step(self) -> None:
         self._peak = 0
+        self._grad_bytes.clear()  # an update at the end of the last step may have freed them
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
 
     def observe(self, params: dict[int, list[torch.nn.Parameter]],
                 optim: dict[int, torch.optim.Optimizer], sharded: dict[int, ShardedStage],
-                saved: dict[Any, Any], touched: int | None = -1) -> None:
+                saved: dict[Any, Any], touched: int | None = -1, cleared: bool = False
+                ) -> None:
         """Account for the rank's state now. `touched`: the stage whose gradients the task
         just run may have changed (-1: any stage, None: none); keys ("tied", s) and
-        ("experts", s) belong to stage s."""
+        ("experts", s) belong to stage s; `cleared`: the task may have freed gradients (an
+        update). A backward only adds gradients, so a stage whose every parameter has one
+        is not counted again until an update clears them."""
         model, transient = 0, 0
         for s, ps in list(params.items()):
             if s in optim:
@@ -67,17 +71,20 @@ class MemoryLedger:
             if s in sharded:
                 model += sharded[s].model_state_bytes()
                 transient += sharded[s].transient_bytes()
-            else:
-                sizes = self._param_bytes.get(s)
-                if sizes is None or len(sizes) != len(ps):
-                    sizes = self._param_bytes[s] = [_nbytes(p) for p in ps]
-                stage = s[1] if isinstance(s, tuple) else s
-                grads = self._grad_bytes.get(s)
-                if grads is None or touched == -1 or touched == stage:
-                    # a gradient has its parameter's size
-                    grads = self._grad_bytes[s] = sum(n for p, n in zip(ps, sizes)
-                                                      if p.grad is not None)
-                model += sum(sizes) + grads
+                continue
+            known = self._param_bytes.get(s)
+            if known is None or len(known[0]) != len(ps):
+                sizes = [_nbytes(p) for p in ps]
+                known = self._param_bytes[s] = (sizes, sum(sizes))
+            sizes, total = known
+            stage = s[1] if isinstance(s, tuple) else s
+            grads = self._grad_bytes.get(s)
+            if grads is None or ((touched == -1 or touched == stage)
+                                 and (cleared or grads < total)):
+                # a gradient has its parameter's size
+                grads = self._grad_bytes[s] = sum(n for p, n in zip(ps, sizes)
+                                                  if p.grad is not None)
+            model += total + grads
         live = 0
         for sv in list(saved.values()):  # another stream may add entries meanwhile
             live += sv.activation_bytes  # what autograd saved, the outputs and inputs

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
-from typing import Any
+import threading
+from typing import Any, Self
 
 from piper.errors import PiperError
 from runtime.train.training import PRECISIONS, SCHEDULES, TrainConfig
@@ -58,8 +60,11 @@ def add_train_flags(r: argparse.ArgumentParser) -> None:
     r.add_argument("--checkpoint-dir", metavar="DIR")
     r.add_argument("--checkpoint-every", type=int, default=0, metavar="K",
                    help="save every K steps (and after the last) into --checkpoint-dir")
-    r.add_argument("--resume", action="store_true",
-                   help="continue from the newest complete checkpoint in --checkpoint-dir")
+    r.add_argument("--resume", nargs="?", const="newest", choices=("newest", "auto"),
+                   metavar="auto",
+                   help="continue from the newest complete checkpoint in --checkpoint-dir "
+                        "(an error when there is none); `--resume auto`: start at step 1 "
+                        "when there is none, as a requeued job wants")
     r.add_argument("--log-dir", metavar="DIR",
                    help="write TensorBoard events and metrics.jsonl here")
 
@@ -164,6 +169,9 @@ def _drive(args: argparse.Namespace, torchrun: Any) -> int:
         BatchSource(spec, batch, args.seed, train.eval_data, train.data_dtype, shuffle=False,
                     flag="--eval-data")
     done, folder = _resume_point(args, spec, batch) if args.resume else (0, None)
+    if args.resume == "auto" and folder is None:
+        log(f"--resume auto: no complete checkpoint in {args.checkpoint_dir}: starting at "
+            "step 1")
     if done >= args.steps:
         log(f"{folder} is at step {done}: nothing to train up to --steps {args.steps}")
         return EXIT_OK
@@ -185,8 +193,9 @@ def _drive(args: argparse.Namespace, torchrun: Any) -> int:
     metrics = MetricsLog(args.log_dir, args.gpus, after=done) if args.log_dir else None
     predicted = predicted_of(args.strategy) if args.strategy else None
     evals: dict[int, float] = {}  # step: loss on the evaluation data after it
+    stop = StopSignals()
     try:
-        with _job(args, spec, plan, batch, device, train, done, torchrun) as job:
+        with stop, _job(args, spec, plan, batch, device, train, done, torchrun) as job:
             if len(set(job.nodes)) > 1:
                 log(f"ranks on {len(set(job.nodes))} nodes: {describe_nodes(job.nodes)}")
             if folder is not None:
@@ -203,11 +212,14 @@ def _drive(args: argparse.Namespace, torchrun: Any) -> int:
                 predicted = None  # said once, beside the first step
                 if metrics:
                     metrics.write(row)
-                last = k + 1 == args.steps
+                last = k + 1 == args.steps or stop.signum is not None
                 if args.checkpoint_dir and ((args.checkpoint_every and (k + 1) %
                                              args.checkpoint_every == 0) or last):
                     path = job.save(args.checkpoint_dir, info)
                     log(f"checkpoint: {path}")
+                if stop.signum is not None:
+                    log(stop.said(s.step, args.checkpoint_dir))
+                    break
             result = job.finish()
     except RuntimeFailure as e:
         print(f"error: {e}", file=sys.stderr)
@@ -227,6 +239,12 @@ def _drive(args: argparse.Namespace, torchrun: Any) -> int:
         "precision": train.precision,
         "nodes": list(result.nodes),  # per rank: its node's IP address
     }
+    if stop.signum is not None:  # a partial run: nothing to check against
+        out["stopped"] = {"signal": signal.Signals(stop.signum).name,
+                          "after_step": result.steps[-1].step if result.steps else done}
+        if args.json:
+            emit(out)
+        return 128 + stop.signum
     passed = True
     if args.check:
         ref = reference_run(spec, batch_size=batch, steps=args.steps, seed=args.seed,
@@ -245,6 +263,45 @@ def _drive(args: argparse.Namespace, torchrun: Any) -> int:
               f"{out['check']['max_rel_diff']:.2e} against single-device training, "
               f"rtol {CHECK_RTOL[train.precision]:g})")
     return EXIT_OK if passed else EXIT_FAILED
+
+
+class StopSignals:
+    """SIGTERM (a scheduler preempting the job) or a first SIGINT (Ctrl-C) while training:
+    the step in flight finishes, a checkpoint is written, and the run exits 128 + the
+    signal's number (143, 130) with a line saying how to go on, as Megatron-LM's
+    `--exit-signal-handler` does. A second signal interrupts at once."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self._before: dict[int, Any] = {}
+
+    def __enter__(self) -> Self:
+        if threading.current_thread() is threading.main_thread():  # where handlers live
+            for sig in self.SIGNALS:
+                self._before[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, handler in self._before.items():
+            signal.signal(sig, handler)
+        self._before.clear()
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.signum is not None:  # the second one: now
+            raise KeyboardInterrupt
+        self.signum = signum
+        print(f"{signal.Signals(signum).name}: finishing the step in flight, then stopping "
+              "(again to stop now)", file=sys.stderr, flush=True)
+
+    def said(self, step: int, checkpoint_dir: str | None) -> str:
+        name = signal.Signals(self.signum or 0).name
+        if not checkpoint_dir:
+            return (f"stopped by {name} after step {step}; nothing saved (no "
+                    "--checkpoint-dir)")
+        return (f"stopped by {name} after step {step}: the same command with --resume auto "
+                "goes on from its checkpoint")
 
 
 def _check_launch(args: argparse.Namespace, device: str, torchrun: Any) -> None:
@@ -291,7 +348,10 @@ def _resume_point(args: argparse.Namespace, spec: Any, batch: int) -> tuple[int,
 
     folder = checkpoint.latest(args.checkpoint_dir)
     if folder is None:
-        raise PiperError(f"--resume: no complete checkpoint in {args.checkpoint_dir}")
+        if args.resume == "auto":
+            return 0, None
+        raise PiperError(f"--resume: no complete checkpoint in {args.checkpoint_dir} "
+                         "(--resume auto starts at step 1 then)")
     saved = checkpoint.info(folder)
     for key, mine in (("batch_size", batch), ("seed", args.seed)):
         if saved.get(key, mine) != mine:

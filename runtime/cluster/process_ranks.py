@@ -18,6 +18,7 @@ import contextlib
 import datetime
 import os
 import pickle
+import signal
 import socket
 import threading
 import time
@@ -179,6 +180,9 @@ def _spawned(rank: int, world: int, port: int, threads: int, env: dict[str, str]
     `env`: the driver's environment when it started the rank (the fork server has its own
     from when it started)."""
     parent = os.getppid()
+    # Ctrl-C in a terminal reaches the whole process group: the driver alone decides (it
+    # finishes the step in flight, then ends the ranks)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     os.environ.clear()
     os.environ.update(env)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),

@@ -1,12 +1,14 @@
 """`piper-plan run` trains for real: bf16-mixed against a single-device autocast run on a
 token file, checkpoints that resume under the same or another strategy (and export to one
-state dict), TensorBoard metrics, and a driver killed while saving. Real workers, real DCP
+state dict), TensorBoard metrics, a driver killed while saving, and a SIGTERM that stops
+after the step in flight, saved, for `--resume auto`. Real workers, real DCP
 files; the ground truth is plain PyTorch (`runtime.train.reference`)."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -22,7 +24,7 @@ from planner.cli import main
 from runtime.train.data import write_synthetic_tokens
 from runtime.train.reference import max_rel_diff, reference_run
 from runtime.train.training import TrainConfig
-from tests.conftest import GPT, ROOT, TINY
+from tests.conftest import GPT, ROOT, TINY, StderrLines
 
 MOE = str(ROOT / "examples" / "moe.py")
 TRAIN = ["--clip-grad", "0.05", "--lr-schedule", "cosine", "--warmup", "2",
@@ -176,3 +178,43 @@ def test_driver_killed_while_saving_leaves_the_previous_checkpoint(ray_session, 
     rc, out = run_json(capsys, [*argv[:-2], "--steps", str(step + 2), "--resume", "--check"])
     assert rc == 0 and out["steps"][0]["step"] == step + 1
     assert out["check"]["passed"]
+
+
+def test_sigterm_finishes_the_step_saves_it_and_resume_auto_goes_on(capsys, tmp_path):
+    """A scheduler's SIGTERM: the step in flight finishes and is saved, the run exits 143
+    naming it; the same command with --resume auto trains on from there to the losses of
+    uninterrupted single-device training, and on an empty folder starts at step 1."""
+    ckpt = tmp_path / "ckpt"
+    argv = ["run", GPT, *TINY, "--gpus", "2", "--pp", "2", "--microbatches", "2", *TRAIN,
+            "--launcher", "local", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "4"]
+    p = subprocess.Popen([sys.executable, "-m", "planner.cli", *argv, "--steps", "3000",
+                          "--json"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True)
+    said = StderrLines(p)
+    try:
+        assert said.wait_for("step 5/", 180), str(said)
+        p.send_signal(signal.SIGTERM)
+        p.wait(timeout=120)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait(timeout=30)
+    lines = said.all()
+    assert p.returncode == 143, "".join(lines)
+    m = re.match(r"stopped by SIGTERM after step (\d+): the same command with --resume auto",
+                 lines[-1])
+    assert m, "".join(lines)
+    step = int(m.group(1))
+    assert step >= 5 and (ckpt / f"step-{step:07d}" / "piper.json").is_file()
+    out = json.loads(p.stdout.read().strip().splitlines()[-1])
+    assert out["stopped"] == {"signal": "SIGTERM", "after_step": step}
+    rc, out = run_json(capsys, [*argv, "--steps", str(step + 2), "--resume", "auto",
+                                "--check"])
+    assert rc == 0 and [s["step"] for s in out["steps"]] == [step + 1, step + 2]
+    assert out["check"]["passed"]
+    empty = tmp_path / "empty"
+    rc = main([*argv[:-4], "--checkpoint-dir", str(empty), "--steps", "1", "--resume",
+               "auto", "--json"])
+    got = capsys.readouterr()
+    assert rc == 0 and [s["step"] for s in json.loads(got.out)["steps"]] == [1]
+    assert "--resume auto: no complete checkpoint" in got.err

@@ -44,8 +44,11 @@ def _sh(*cmd: str) -> subprocess.CompletedProcess:
 class Hosts:
     """`n` hosts: host 0 is the head (GCS on HEAD_PORT, Ray Client on CLIENT_PORT)."""
 
-    def __init__(self, n: int, hidden: list[Path], logs: Path, cpus: int = 2) -> None:
+    def __init__(self, n: int, hidden: list[Path], logs: Path, cpus: int = 2,
+                 hidden_on: dict[int, list[Path]] | None = None) -> None:
+        """`hidden`: folders every host sees empty; `hidden_on`: more, per host."""
         self.n, self.hidden, self.logs, self.cpus = n, hidden, logs, cpus
+        self.hidden_on = hidden_on or {}
         tag = f"{os.getpid() % 10000}{secrets.token_hex(2)}"
         self.bridge = f"pbr{tag}"
         self.names = [f"piper-{tag}-h{i}" for i in range(n)]
@@ -152,7 +155,8 @@ class Hosts:
         args = (["--head", "--port", str(HEAD_PORT), "--ray-client-server-port",
                  str(CLIENT_PORT), "--include-dashboard", "false"] if i == 0
                 else ["--address", self.gcs])
-        env = {**self.env(), "PIPER_HIDE": " ".join(str(p) for p in self.hidden)}
+        hide = [*self.hidden, *self.hidden_on.get(i, [])]
+        env = {**self.env(), "PIPER_HIDE": " ".join(str(p) for p in hide)}
         log = open(self.logs / f"host{i}.log", "w")  # noqa: SIM115 - the host keeps it
         self.procs.append(subprocess.Popen(
             ["ip", "netns", "exec", self.names[i], "unshare", "--mount", "--pid", "--fork",

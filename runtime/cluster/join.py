@@ -7,14 +7,17 @@ is itself a node: where `ray start` ran), `ray://host:10001` (Ray Client, from a
 Whatever goes wrong while joining is bad input (one `error:` line, exit 2) saying what to set:
 Ray's own failures here are a 40 s retry loop, a 30 s client timeout, or a C++ abort.
 
-Nothing on the driver's disk is assumed to be on the nodes: the model file (or a Hugging Face
-config, or a model folder that is small enough) travels in the job's `runtime_env` as a
-package (`ship`), and workers find it by the name `remote_source` gives it.
+Nothing on the driver's disk is assumed to be on the nodes: piper-plan's own packages, and the
+model file (or a Hugging Face config, or a model folder that is small enough) travel in the
+job's `runtime_env` (`py_modules`; the model as a package, `ship`), and workers find the model
+by the name `remote_source` gives it. A node needs Python, torch and Ray alone, at the
+driver's versions: `runtime.cluster.nodes` checks that once joined.
 """
 
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import logging
 import os
 import shutil
@@ -31,8 +34,10 @@ import ray
 
 from piper.errors import PiperError
 from piper.shipped import shipped_path
+from runtime.cluster.nodes import check_nodes
 
 CLIENT = "ray://"
+OWN_PACKAGES = ("piper", "search_spaces", "runtime", "cost_models", "planner")
 INIT_FAILURE = "Initialization failure from server"
 """Ray Client's proxy could not start this session's server in time (seen on a loaded
 host, right after another session ended): transient, so `connect` tries again."""
@@ -95,6 +100,11 @@ def connect(address: str | None = None, ship: Iterable[str] = ()) -> bool:
         lines = str(e).strip().splitlines()
         raise PiperError(f"could not join the Ray cluster at {address}: "
                          f"{type(e).__name__}: {lines[0] if lines else ''}") from None
+    try:
+        check_nodes()
+    except BaseException:
+        disconnect()
+        raise
     return True
 
 
@@ -230,12 +240,26 @@ def _client_log() -> Iterator[list[str]]:
         logger.propagate = propagate
 
 
+def own_packages() -> list[str]:
+    """The folders of piper-plan's own packages, as this driver imports them: they travel
+    with every job that joins a cluster, so a node needs only Python, torch and Ray (and
+    runs the driver's code, never an older copy of its own)."""
+    out = []
+    for name in OWN_PACKAGES:
+        spec = importlib.util.find_spec(name)
+        if spec is not None and spec.submodule_search_locations:
+            out.append(str(Path(next(iter(spec.submodule_search_locations))).resolve()))
+    return out
+
+
 def _runtime_env(ship: Iterable[str]) -> dict[str, Any]:
-    """A package of the files to ship (each file, or a small folder whole), named after
-    their content, for `py_modules`; records each one's shipped name."""
+    """piper-plan's packages, and a package of the files to ship (each file, or a small
+    folder whole) named after their content, for `py_modules`; records each file's shipped
+    name."""
+    env: dict[str, Any] = {"py_modules": own_packages(), "excludes": ["__pycache__/"]}
     paths = [str(Path(p).resolve()) for p in ship if p]
     if not paths:
-        return {}
+        return env
     digest = hashlib.sha256("\0".join(paths).encode()).hexdigest()[:12]
     package = f"piper_ship_{digest}"
     root = Path(tempfile.mkdtemp(prefix="piper-ship-"))
@@ -256,7 +280,8 @@ def _runtime_env(ship: Iterable[str]) -> dict[str, Any]:
         else:
             continue
         _shipped[path] = shipped_path(package, name)
-    return {"py_modules": [str(folder)]}
+    env["py_modules"].append(str(folder))
+    return env
 
 
 def _size(folder: Path) -> int:

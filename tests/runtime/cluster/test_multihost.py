@@ -1,7 +1,7 @@
 """A run and a search spanning two hosts of a Ray cluster (`tests.hosts`: network, mount
 and PID namespaces on this machine, token authentication on), driven from this host through
-Ray Client, as from a laptop: the model file exists only here and reaches the hosts through
-Ray; pp2 x dp2 reproduces single-device losses with two ranks per host; a search runs trials
+Ray Client, as from a laptop: the model file exists only here, and the second host cannot see
+this checkout either (it has Python, torch and Ray alone); both reach the hosts through Ray; pp2 x dp2 reproduces single-device losses with two ranks per host; a search runs trials
 on both hosts, and its best candidate runs there for real (--measure); a bad token or
 address is a one-line error (exit 2); a host's raylet killed mid-run is reported as a lost
 node within 60 s (exit 3), and the run resumes on the host left."""
@@ -32,7 +32,9 @@ def hosts(tmp_path_factory):
     model.parent.mkdir()
     shutil.copy(ROOT / "examples" / "gpt.py", model)
     shared = tmp_path_factory.mktemp("shared")  # storage every host mounts (for checkpoints)
-    with Hosts(2, hidden=[mine], logs=tmp_path_factory.mktemp("hosts")) as h:
+    # the second host cannot see this checkout either: piper-plan travels with the job
+    with Hosts(2, hidden=[mine], logs=tmp_path_factory.mktemp("hosts"),
+               hidden_on={1: [ROOT]}) as h:
         h.model = str(model)
         h.home = mine
         h.shared = shared

@@ -40,12 +40,13 @@ def mismatch(driver: dict[str, str], node: dict[str, str]) -> str | None:
     return "; ".join(said) or None
 
 
-def check_nodes(timeout_s: float = PROBE_S) -> None:
+def check_nodes(timeout_s: float = PROBE_S, driver: dict[str, str] | None = None) -> None:
     """One task on every alive node of the joined cluster; `PiperError` naming the first
-    node that differs from this driver, cannot start the shipped code, or does not answer."""
+    node that differs from this driver (`driver`: its versions, default what it runs),
+    cannot start the shipped code, or does not answer."""
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    mine = versions()
+    mine = driver or versions()
     probe = ray.remote(num_cpus=0)(versions)
     refs = {n["NodeManagerAddress"]: probe.options(
                 scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False)

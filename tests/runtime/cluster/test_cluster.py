@@ -68,7 +68,8 @@ def test_shipped_files_are_found_by_package_wherever_unpacked(tmp_path, monkeypa
     config.write_text("{}")
     try:
         env = cluster._runtime_env([str(model), str(config)])
-        (folder,) = env["py_modules"]
+        *own, folder = env["py_modules"]
+        assert own == cluster.own_packages()  # piper-plan's code travels too
         src = cluster.remote_source((str(model.resolve()), (), ()))
         assert src[0].startswith("shipped:") and src[1:] == ((), ())
         # a node: Ray unpacks the package somewhere and puts it on sys.path
@@ -113,6 +114,8 @@ def test_a_proxy_that_fails_to_start_a_session_is_tried_again(monkeypatch):
         monkeypatch.setattr(cluster.ray, "is_initialized", lambda: False)
         monkeypatch.setattr(cluster.ray, "init", init)
         monkeypatch.setattr(cluster.ray, "shutdown", lambda: None)
+        monkeypatch.setattr(cluster, "check_nodes", lambda: None)  # no nodes to ask here
+        monkeypatch.delenv("RAY_AUTH_MODE", raising=False)  # connect sets it: put back after
         monkeypatch.setattr(cluster, "CLIENT_RETRY_S", 0.0)
         assert cluster.connect(address) is True
         assert calls == [address] * 3
@@ -133,3 +136,14 @@ def test_a_proxy_that_fails_to_start_a_session_is_tried_again(monkeypatch):
         with pytest.raises(PiperError, match="ConnectionError: ray client connection timeout"):
             cluster.connect(address)
         assert len(calls) == 1
+
+
+def test_a_node_that_runs_other_versions_is_named():
+    from runtime.cluster.nodes import mismatch
+
+    mine = {"python": "3.11.7", "torch": "2.13.0", "ray": "2.60.0"}
+    assert mismatch(mine, {**mine, "python": "3.11.9"}) is None  # a patch release
+    assert mismatch(mine, {**mine, "torch": "2.11.0"}) == "torch 2.11.0 where this driver has 2.13.0"
+    assert mismatch(mine, {"python": "3.12.1", "torch": "2.13.0", "ray": "2.59.0"}) == (
+        "python 3.12.1 where this driver has 3.11.7; ray 2.59.0 where this driver has 2.60.0")
+

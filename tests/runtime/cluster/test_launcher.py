@@ -3,13 +3,19 @@
 
 from __future__ import annotations
 
+import re
+
+import pytest
+
 from piper import schedules
 from piper.capture import capture
+from piper.errors import PiperError
 from piper.model_file import load_model_file
+from runtime.cluster import join
 from runtime.cluster.launcher import Job
 from runtime.lowering.lower import lower
 from runtime.train.reference import max_rel_diff, reference_losses
-from tests.conftest import GPT
+from tests.conftest import GPT, ROOT
 
 TINY = (("size", "tiny"),)
 
@@ -51,3 +57,17 @@ def test_paths_the_ranks_read_are_checked_on_every_node_first(ray_session, tmp_p
     with Job(spec, plan, batch_size=8, seed=0, shared=(str(shared),)) as job:
         assert job.actors
     assert shared.is_dir() and not list(shared.iterdir())
+
+
+def test_every_node_answers_with_what_it_runs(ray_session):
+    """The probe runs on each node for real: the same versions pass; a driver that runs
+    another torch hears which node differs, and how."""
+    from runtime.cluster.nodes import check_nodes, versions
+
+    check_nodes(timeout_s=120)
+    ip = ray_session.nodes()[0]["NodeManagerAddress"]
+    said = re.escape(f"node {ip} runs torch {versions()['torch']} where this driver has "
+                     "0.0.1: install the driver's versions on every node")
+    with pytest.raises(PiperError, match=f"^{said}$"):
+        check_nodes(timeout_s=120, driver={**versions(), "torch": "0.0.1"})
+    assert join.own_packages() == [str(ROOT / p) for p in join.OWN_PACKAGES]

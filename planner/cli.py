@@ -103,8 +103,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="compare losses with single-device training (rtol 1e-4 in fp32, "
                         "2e-2 in bf16-mixed against torch.autocast)")
     r.add_argument("--trace", help="write the measured timeline as a Perfetto trace")
-    r.add_argument("--timeout", type=float, default=300.0, help="seconds before a rank is "
-                   "declared hung")
+    r.add_argument("--timeout", type=float, default=300.0, help="seconds a collective or "
+                   "transfer waits before it fails (the process groups' timeout)")
+    r.add_argument("--hang-timeout", type=float, metavar="S",
+                   help="a rank silent for S seconds (a stopped process) or a step in which "
+                        "no rank moves on for S seconds is named as hung, exit 3 (default: "
+                        "20 median steps, at least 60 s; --launcher ray)")
 
     m = model_cmd("simulate", "predict step time and memory of a strategy")
     m.add_argument("--precision", choices=PRECISIONS, help=planned)

@@ -157,6 +157,8 @@ def _drive(args: argparse.Namespace, torchrun: Any) -> int:
         raise PiperError(f"--steps must be >= 1, got {args.steps}")
     if args.checkpoint_every < 0:
         raise PiperError(f"--checkpoint-every must be >= 0, got {args.checkpoint_every}")
+    if args.hang_timeout is not None and args.hang_timeout <= 0:
+        raise PiperError(f"--hang-timeout must be > 0, got {args.hang_timeout:g}")
     if (args.checkpoint_every or args.resume) and not args.checkpoint_dir:
         flag = "--resume" if args.resume else "--checkpoint-every"
         raise PiperError(f"{flag} needs --checkpoint-dir")
@@ -195,7 +197,8 @@ def _drive(args: argparse.Namespace, torchrun: Any) -> int:
     evals: dict[int, float] = {}  # step: loss on the evaluation data after it
     stop = StopSignals()
     try:
-        with stop, _job(args, spec, plan, batch, device, train, done, torchrun) as job:
+        # the handlers go in after the job: joining Ray installs Ray's own for SIGTERM
+        with _job(args, spec, plan, batch, device, train, done, torchrun) as job, stop:
             if len(set(job.nodes)) > 1:
                 log(f"ranks on {len(set(job.nodes))} nodes: {describe_nodes(job.nodes)}")
             if folder is not None:
@@ -220,7 +223,7 @@ def _drive(args: argparse.Namespace, torchrun: Any) -> int:
                 if stop.signum is not None:
                     log(stop.said(s.step, args.checkpoint_dir))
                     break
-            result = job.finish()
+            result = job.finish(orderly=stop.signum is None)
     except RuntimeFailure as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_RUNTIME
@@ -284,8 +287,8 @@ class StopSignals:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        for sig, handler in self._before.items():
-            signal.signal(sig, handler)
+        for sig, handler in self._before.items():  # None: a handler set outside Python
+            signal.signal(sig, signal.SIG_DFL if handler is None else handler)
         self._before.clear()
 
     def _handle(self, signum: int, frame: Any) -> None:
@@ -333,7 +336,8 @@ def _job(args: argparse.Namespace, spec: Any, plan: Any, batch: int, device: str
         return Job(spec, plan, batch_size=batch, seed=args.seed, device=device,
                    address=args.address, timeout_s=args.timeout, train=train, done=done,
                    per_node=args.gpus_per_node,
-                   shared=(args.checkpoint_dir,) if args.checkpoint_dir else ())
+                   shared=(args.checkpoint_dir,) if args.checkpoint_dir else (),
+                   hang_timeout_s=args.hang_timeout)
     from runtime.cluster.process_job import ProcessJob
 
     return ProcessJob(spec, plan, batch_size=batch, seed=args.seed, device=device,

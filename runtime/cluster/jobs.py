@@ -112,10 +112,12 @@ class Driver:
         """Every rank's state from a checkpoint (of any strategy)."""
         self.call_all("load", "loading the checkpoint", folder)
 
-    def finish(self) -> RunResult:
+    def finish(self, orderly: bool = True) -> RunResult:
         """Shut the ranks down in order and report every step so far, with the last step's
-        timeline."""
-        self.call_all("shutdown", "shutdown")
+        timeline. `orderly=False` (a run stopped by a signal, which may have reached the
+        cluster's own processes too): no further call to the ranks; closing kills them."""
+        if orderly:
+            self.call_all("shutdown", "shutdown")
         spans = tuple(Span(r, stream, t, a, b) for r, o in enumerate(self.outs)
                       for stream, t, a, b in o.spans)
         return RunResult(tuple(self.results), tuple(self.peaks), self.plan, spans,

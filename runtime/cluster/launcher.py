@@ -43,7 +43,9 @@ from runtime.train.training import TrainConfig
 __all__ = ["Job", "RunResult", "RuntimeFailure", "StepResult", "check_workers",
            "describe_nodes", "run"]
 
-POLL_S = 1.0  # the driver looks up from waiting this often (Ctrl-C, deadlines)
+POLL_S = 1.0  # the driver looks up from waiting this often (Ctrl-C, deadlines, hangs)
+HANG_MIN_S = 60.0  # a live rank reports every second: a minute of silence is a hang
+HANG_STEPS = 20  # ... as is a step in which nothing moves for 20 median steps
 
 
 class _RayWorker(Worker):
@@ -98,11 +100,13 @@ class Job(Driver):
     def __init__(self, spec: ModelSpec, plan: Plan, *, batch_size: int, seed: int,
                  device: str = "cpu", address: str | None = None, timeout_s: float = 300.0,
                  train: TrainConfig | None = None, done: int = 0, per_node: int | None = None,
-                 shared: tuple[str, ...] = ()) -> None:
+                 shared: tuple[str, ...] = (), hang_timeout_s: float | None = None) -> None:
         """`done`: steps trained before (the ranks' state is then loaded by `restore`).
         `per_node`: ranks per node (default: `placement.default_per_node`). `shared`:
         folders every node must see as this machine does (a checkpoint folder), checked
-        before setup."""
+        before setup. `hang_timeout_s`: a rank silent this long, or a step in which no rank
+        moves on for this long, is a hang (default `hang_after`)."""
+        self.hang_timeout_s = hang_timeout_s
         if not plan.complete:
             raise ValueError("a simulation view of a Plan (some replicas left out) cannot run")
         self.plan = plan
@@ -130,7 +134,8 @@ class Job(Driver):
                                                     self.board)
                 for r in range(world)]
             # starting processes and capturing the model take a while: more time
-            setup = _Waiter(max(timeout_s, SETUP_MIN_S) + DEADLINE_SLACK_S, self)
+            setup = _Waiter(max(timeout_s, SETUP_MIN_S) + DEADLINE_SLACK_S, self,
+                            hang=False)
             self.nodes = tuple(setup([a.node.remote() for a in self.actors],
                                      "starting the workers"))
             self._check_paths(setup, spec, train, shared)
@@ -182,6 +187,15 @@ class Job(Driver):
     def call_all(self, method: str, what: str, *args: object) -> list:
         return self.wait([getattr(a, method).remote(*args) for a in self.actors], what)
 
+    def hang_after(self) -> float:
+        """Seconds of silence, or of no progress in a step, that make a hang: the caller's
+        `hang_timeout_s`, else `HANG_STEPS` times the median step so far (at least
+        `HANG_MIN_S`; before any step, that floor)."""
+        if self.hang_timeout_s is not None:
+            return self.hang_timeout_s
+        times = sorted(r.time_s for r in self.results)
+        return max(HANG_MIN_S, HANG_STEPS * times[len(times) // 2]) if times else HANG_MIN_S
+
     def reports(self) -> dict[int, Progress]:
         """What each rank last said it was doing (empty if the board cannot be read)."""
         return progress.read(self.board) if self.board is not None else {}
@@ -207,9 +221,13 @@ class _Waiter:
     message names the rank (and a lost node) and, from the job's progress board, the task
     it was running."""
 
-    def __init__(self, deadline_s: float, job: Job) -> None:
+    def __init__(self, deadline_s: float, job: Job, hang: bool = True) -> None:
+        """`hang`: also watch the board for a silent rank, or a phase in which no rank
+        moves on, for `job.hang_after()` (setup runs without the second: its one long
+        capture is no hang)."""
         self.deadline_s = deadline_s
         self.job = job
+        self.hang = hang
 
     def __call__(self, refs: list, what: str) -> list:
         rank_of = {ref: r for r, ref in enumerate(refs)}
@@ -231,7 +249,37 @@ class _Waiter:
                 except RayError as e:
                     raise RuntimeFailure(self._failed(rank_of[ref], e, pending, rank_of, what)
                                          ) from None
+            if not ready and pending:
+                self._check_hang(sorted(rank_of[ref] for ref in pending), what)
         return [out[r] for r in range(len(refs))]
+
+    def _check_hang(self, pending: list[int], what: str) -> None:
+        """`RuntimeFailure` if a pending rank has been silent for `job.hang_after()` (a
+        stopped process; all of a node's ranks: the node), or if, in a step, none of them
+        has moved on for that long (a collective that never completes)."""
+        after = self.job.hang_after()
+        reports = self.job.reports()
+        silent = [r for r in pending if r in reports and reports[r].age_s > after]
+        if silent:
+            lost = self._lost_nodes({}, reports)
+            if lost:
+                raise RuntimeFailure("; ".join(self._describe_lost(node, ranks, reports, what)
+                                               for node, ranks in lost.items()))
+            r = silent[0]
+            others = [o for o in pending if o != r]
+            raise RuntimeFailure(
+                f"rank {r} (pid {reports[r].pid}) stopped responding "
+                f"{reports[r].describe()}: no word from it in {reports[r].age_s:.0f} s "
+                f"(hang timeout {after:.0f} s)"
+                + (f"; still running: {self._where_all(others, what, reports)}" if others
+                   else ""))
+        # a step's tasks: known to be shorter than a step once one was timed (or said)
+        timed = self.job.hang_timeout_s is not None or bool(self.job.results)
+        stuck = [r for r in pending if r in reports and reports[r].still_s > after]
+        if (self.hang and timed and what.startswith("step") and stuck
+                and len(stuck) == len(pending)):
+            raise RuntimeFailure(f"no rank moved on in {after:.0f} s of {what} (hang "
+                                 f"timeout): {self._where_all(stuck, what, reports)}")
 
     def _failed(self, rank: int, err: RayError, pending: list, rank_of: dict, what: str) -> str:
         errors = {rank: err}

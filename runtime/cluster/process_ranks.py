@@ -35,7 +35,7 @@ POLL_S = 0.005  # driver and ranks look for messages this often
 # what a rank needs before it can serve: imported once by the fork server, which every
 # spawned rank is forked from, instead of once per rank (2.3 s of CPU each: torch, export)
 PRELOAD = ("torch", "torch.export", "torch._dynamo", "torch.distributed.checkpoint",
-           "runtime.cluster.worker")
+           "runtime.cluster.worker", "runtime.cluster.forkserver_signals")
 LISTEN_S = 1.0  # a serving rank asks this often whether its driver is alive
 EXIT = "exit"  # a message that ends a serving rank without a shutdown (the run stopped)
 SHUTDOWN = "shutdown"  # the last call a host answers
@@ -180,9 +180,11 @@ def _spawned(rank: int, world: int, port: int, threads: int, env: dict[str, str]
     `env`: the driver's environment when it started the rank (the fork server has its own
     from when it started)."""
     parent = os.getppid()
-    # Ctrl-C in a terminal reaches the whole process group: the driver alone decides (it
-    # finishes the step in flight, then ends the ranks)
+    # Ctrl-C in a terminal reaches the whole process group, a scheduler's SIGTERM the whole
+    # job: the driver alone decides (it finishes the step in flight, saves, then kills the
+    # ranks; an orphaned rank ends by itself)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     os.environ.clear()
     os.environ.update(env)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),

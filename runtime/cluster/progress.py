@@ -31,6 +31,7 @@ class Progress:
     tasks: dict[str, str] = field(default_factory=dict)  # stream -> task it last started
     node: str = ""  # the node's IP address
     age_s: float = 0.0  # since the board heard from the rank
+    still_s: float = 0.0  # since its phase or a stream's task last changed
 
     def describe(self) -> str:
         if self.phase.startswith("after"):
@@ -50,15 +51,18 @@ class ProgressBoard:
     """The job's reports, one per rank (a Ray actor; `board`)."""
 
     def __init__(self) -> None:
-        self.reports: dict[int, tuple[int, str, dict[str, str], str, float]] = {}
+        self.reports: dict[int, tuple[int, str, dict[str, str], str, float, float]] = {}
 
     def report(self, rank: int, pid: int, phase: str, tasks: dict[str, str], node: str) -> None:
-        self.reports[rank] = (pid, phase, tasks, node, time.monotonic())
+        now = time.monotonic()
+        before = self.reports.get(rank)
+        same = before is not None and (before[1], before[2]) == (phase, tasks)
+        self.reports[rank] = (pid, phase, tasks, node, now, before[5] if same else now)
 
     def read(self) -> dict[int, Progress]:
         now = time.monotonic()
-        return {r: Progress(pid, phase, tasks, node, now - t)
-                for r, (pid, phase, tasks, node, t) in self.reports.items()}
+        return {r: Progress(pid, phase, tasks, node, now - t, now - changed)
+                for r, (pid, phase, tasks, node, t, changed) in self.reports.items()}
 
 
 def board(name: str | None = None) -> Any:

@@ -178,6 +178,8 @@ BAD = {
                     ("--trials must be >= 1",)),
     "run timeout not positive": ([*RUN, "--gpus", "1", "--timeout", "0"],
                                  ("--timeout must be > 0",)),
+    "run hang timeout not positive": ([*RUN, "--gpus", "1", "--hang-timeout", "0"],
+                                      ("--hang-timeout must be > 0, got 0",)),
     "search timeout negative": (["search", GPT, *TINY, "--gpus", "1", "--timeout", "-5",
                                  "--out", "{out}"], ("--timeout must be > 0",)),
     "sp without tp": ([*SIM, "--gpus", "2", "--dp", "2", "--sp"], ("--sp", "needs --tp > 1")),

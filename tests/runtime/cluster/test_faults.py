@@ -128,6 +128,39 @@ def test_hung_worker_hits_the_process_group_timeout(ray_session, capsys):
     assert detect_s < 3 + 10 + 2
 
 
+def test_stopped_worker_is_named_within_the_hang_timeout(ray_session, capsys):
+    """A rank that stops (SIGSTOP) sends no heartbeat: the driver names it after
+    --hang-timeout, long before the process groups' 300 s timeout."""
+    s = Saboteur(rank=1, at_step=1, act=lambda p: os.kill(p.pid, signal.SIGSTOP))
+    try:
+        rc, line, detect_s = _run_with(s, capsys, [*RUN, "--hang-timeout", "6"])
+    finally:
+        if s.progress:
+            os.kill(s.progress.pid, signal.SIGKILL)
+    print(f"named a stopped worker in {detect_s:.2f} s (hang timeout 6 s)")
+    assert rc == 3
+    assert re.match(rf"error: rank 1 \(pid {s.progress.pid}\) stopped responding during step "
+                    r"\d+.*: no word from it in \d+ s \(hang timeout 6 s\); still running: "
+                    r"rank 0 during step", line), line
+    assert detect_s < 6 + 2 * 1 + 5
+
+
+def test_a_step_that_stops_moving_is_named_within_the_hang_timeout(ray_session, capsys,
+                                                                   tmp_path):
+    """Every rank alive and reporting, none moving on (a loss that blocks, as a collective
+    that never completes would): named after --hang-timeout, with where each rank is."""
+    flag = tmp_path / "stall"
+    argv = ["run", str(ROOT / "tests" / "models" / "stalls.py"), *TINY, "--model-arg",
+            f"stall_file={flag}", *RUN[4:], "--hang-timeout", "4"]
+    s = Saboteur(rank=0, at_step=2, act=lambda p: flag.touch())
+    rc, line, detect_s = _run_with(s, capsys, argv)
+    print(f"named a stalled step in {detect_s:.2f} s (hang timeout 4 s)")
+    assert rc == 3
+    assert re.match(r"error: no rank moved on in 4 s of step \d+ \(hang timeout\): rank 0 "
+                    r"during step \d+ while running task \S+; rank 1 during step", line), line
+    assert detect_s < 4 + 2 * 1 + 5
+
+
 def test_ctrl_c_stops_after_the_step_and_every_worker(ray_session, capsys):
     """Ctrl-C: the step in flight finishes, the run says where it stopped (exit 130), every
     worker ends; the run's own handler is gone afterwards."""

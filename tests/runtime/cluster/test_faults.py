@@ -103,6 +103,18 @@ def test_killed_worker_is_named_with_its_task_within_60s(ray_session, capsys):
     assert all(_gone(pid, 30) for pid in s.pids), "the surviving rank was killed too"
 
 
+def _with_rank_1_stopped(capsys, argv: list[str]) -> tuple[int, str, float, int]:
+    """`_run_with` a Saboteur that stops rank 1 (SIGSTOP) inside step 1, killed after;
+    (exit code, last line, seconds to detection, rank 1's pid)."""
+    s = Saboteur(rank=1, at_step=1, act=lambda p: os.kill(p.pid, signal.SIGSTOP))
+    try:
+        rc, line, detect_s = _run_with(s, capsys, argv)
+    finally:
+        if s.progress:
+            os.kill(s.progress.pid, signal.SIGKILL)
+    return rc, line, detect_s, s.progress.pid
+
+
 def test_hung_worker_hits_the_process_group_timeout(ray_session, capsys):
     """A stopped rank is reported, naming it, within the timeout plus the driver's slack.
 
@@ -110,12 +122,7 @@ def test_hung_worker_hits_the_process_group_timeout(ray_session, capsys):
     partner's all-reduce times out (--timeout reaches the process groups) and the message
     names the silent rank too; after them (in the update), the partner finishes the step and
     the driver's deadline for the step (timeout + 10 s) names the silent rank itself."""
-    s = Saboteur(rank=1, at_step=1, act=lambda p: os.kill(p.pid, signal.SIGSTOP))
-    try:
-        rc, line, detect_s = _run_with(s, capsys, [*RUN, "--timeout", "3"])
-    finally:
-        if s.progress:
-            os.kill(s.progress.pid, signal.SIGKILL)
+    rc, line, detect_s, _ = _with_rank_1_stopped(capsys, [*RUN, "--timeout", "3"])
     print(f"detected a hung worker in {detect_s:.2f} s (timeout 3 s)")
     assert rc == 3
     by_partner = re.match(r"error: rank 0 failed during step \d+( while running task \S+)?: "
@@ -131,15 +138,10 @@ def test_hung_worker_hits_the_process_group_timeout(ray_session, capsys):
 def test_stopped_worker_is_named_within_the_hang_timeout(ray_session, capsys):
     """A rank that stops (SIGSTOP) sends no heartbeat: the driver names it after
     --hang-timeout, long before the process groups' 300 s timeout."""
-    s = Saboteur(rank=1, at_step=1, act=lambda p: os.kill(p.pid, signal.SIGSTOP))
-    try:
-        rc, line, detect_s = _run_with(s, capsys, [*RUN, "--hang-timeout", "6"])
-    finally:
-        if s.progress:
-            os.kill(s.progress.pid, signal.SIGKILL)
+    rc, line, detect_s, pid = _with_rank_1_stopped(capsys, [*RUN, "--hang-timeout", "6"])
     print(f"named a stopped worker in {detect_s:.2f} s (hang timeout 6 s)")
     assert rc == 3
-    assert re.match(rf"error: rank 1 \(pid {s.progress.pid}\) stopped responding during step "
+    assert re.match(rf"error: rank 1 \(pid {pid}\) stopped responding during step "
                     r"\d+.*: no word from it in \d+ s \(hang timeout 6 s\); still running: "
                     r"rank 0 during step", line), line
     assert detect_s < 6 + 2 * 1 + 5

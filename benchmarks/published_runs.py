@@ -15,7 +15,7 @@ of >= 3 rows sharing a model and cluster, the error against pipeline depth, and 
 predicted peak memory fits the device.
 
 Rows whose run used something piper-plan cannot express yet (sequence parallelism,
-selective recompute, torch.compile, FP8) are simulated with the nearest expressible
+torch.compile, FP8) are simulated with the nearest expressible
 strategy and marked `~` with what differs; they are reported apart from the exact rows.
 """
 
@@ -73,7 +73,8 @@ class Run:
     zero: int = 0
     schedule: str = "1f1b"
     v: int = 1
-    recompute: bool = False
+    recompute: bool | str = False
+    """False, True (full) or a selective policy (`piper.Recompute`: attention, op)."""
     sp: bool = False
     """Sequence parallelism (needs tp > 1 and a token-wise model: the Llama example)."""
     unit_mb: float | None = None
@@ -157,8 +158,7 @@ def korthikanti() -> list[Run]:
         out.append(Run("korthikanti", f"GPT {name} tp{tp} pp{pp} full recompute",
                        published_s=full, recompute=True, **common))
         out.append(Run("korthikanti", f"GPT {name} tp{tp} pp{pp} SP+selective",
-                       published_s=present, sp=True,
-                       approx="selective recompute (simulated without recompute)", **common))
+                       published_s=present, sp=True, recompute="attention", **common))
     return out
 
 
@@ -170,7 +170,7 @@ def megascale() -> list[Run]:
     return [Run("megascale", f"GPT 175B Megatron-LM {gpus} GPUs gbs{gbs}", GPT,
                 _gpt(12288, 96, 128, 64000, 2048), "a100-80gb", gpus, 8, 8, gpus // 64, 1,
                 gbs, step, zero=1, schedule="interleaved-1f1b", v=6, sp=True, dp_overlap=False,
-                approx="selective recompute (simulated without recompute)",
+                recompute="attention",
                 assumed="mbs 1, A100-80GB (the paper says Ampere), ZeRO-2-style DP as "
                         "distributed optimizer (zero 1)")
             for gbs, gpus, step in rows]
@@ -188,7 +188,7 @@ def torchtitan() -> list[Run]:
     out = []
 
     def row(label: str, size: tuple, cluster: str, gpus: int, fsdp: int, tp: int, pp: int,
-            local_bs: int, seq: int, tps: float, recompute: bool, approx: str = "",
+            local_bs: int, seq: int, tps: float, recompute: bool | str, approx: str = "",
             assumed: str = "", schedule: str = "1f1b", v: int = 1) -> None:
         gbs = local_bs * fsdp
         step = gbs * seq / (gpus * tps)
@@ -200,24 +200,26 @@ def torchtitan() -> list[Run]:
                        unit_mb=4 * layer / tp / 2**20, sp=tp > 1))  # its TP plan's norms: SP
 
     seq8k = "seq 8192 (toml default)"
+    # torchtitan's `op` policy also recomputes every other matmul; `op` here recomputes none
+    SAC = "per-op SAC recomputes half the matmuls too (simulated as recompute op)"
     row("Llama 3.1 8B FSDP8 bs2 selective-op AC", _llama("llama3-8b"), "h100-96gb-500w", 8,
-        8, 1, 1, 2, 8192, 5762, False, approx="selective-op AC (simulated without)",
+        8, 1, 1, 2, 8192, 5762, "op", approx=SAC,
         assumed=seq8k)
     row("Llama 3.1 8B FSDP128 bs2 selective-op AC", _llama("llama3-8b"), "h100-96gb-500w",
-        128, 128, 1, 1, 2, 8192, 5605, False, approx="selective-op AC (simulated without)",
+        128, 128, 1, 1, 2, 8192, 5605, "op", approx=SAC,
         assumed=seq8k)
     row("Llama 3 70B FSDP32 TP8 bs16 full AC (asyncTP file, vanilla TP)",
         _llama("llama3-70b"), "h100-96gb-500w", 256, 32, 8, 1, 16, 8192, 597.3, True,
         approx="torch.compile", assumed=seq8k + "; tokens/s per GPU")
     row("Llama 3 8B FSDP8 TP8 bs12 per-op SAC (asyncTP file, vanilla TP)",
-        _llama("llama3-8b"), "h100-96gb-500w", 64, 8, 8, 1, 12, 8192, 4378, False,
-        approx="torch.compile, per-op SAC (simulated without)",
+        _llama("llama3-8b"), "h100-96gb-500w", 64, 8, 8, 1, 12, 8192, 4378, "op",
+        approx="torch.compile; " + SAC,
         assumed=seq8k + "; tokens/s per GPU")
     row("Llama 3.1 405B FSDP16 TP8 bs2 full AC", _llama("405b"), "h100-96gb-500w", 128, 16,
         8, 1, 2, 8192, 109, True, approx="torch.compile", assumed=seq8k)
     a100 = "a100-80gb"
     row("Llama 3 8B FSDP64 bs1 selective-op AC (A100)", _llama("llama3-8b"), a100, 64, 64, 1,
-        1, 1, 8192, 2973, False, approx="selective-op AC (simulated without)", assumed=seq8k)
+        1, 1, 8192, 2973, "op", approx=SAC, assumed=seq8k)
     row("Llama 3 70B FSDP64 bs1 full AC (A100)", _llama("llama3-70b"), a100, 64, 64, 1, 1, 1,
         8192, 331, True, assumed=seq8k)
     l2_13 = _llama("7b", dim=5120, layers=40, heads=40, kv_heads=40, ffn=13824)
@@ -225,7 +227,7 @@ def torchtitan() -> list[Run]:
     row("Llama 2 70B FSDP64 bs2 full AC (A100)", _llama("70b"), a100, 64, 64, 1, 1, 2, 4096,
         353, True)
     row("Llama 2 70B FSDP64 bs1 selective-op AC (A100)", _llama("70b"), a100, 64, 64, 1, 1, 1,
-        4096, 355, False, approx="selective-op AC (simulated without)")
+        4096, 355, "op", approx=SAC)
     return out
 
 

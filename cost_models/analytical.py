@@ -24,7 +24,7 @@ from cost_models.cluster import ClusterSpec
 from cost_models.kernels import Gemm, gemm_seconds
 from cost_models.loss_ops import loss_kernels
 from cost_models.saved import saved_bytes
-from piper.capture import Captured, to_meta
+from piper.capture import Captured, graph_on_meta, to_meta
 
 BACKWARD_FLOPS_RATIO = 2.0
 """Backward = grad wrt inputs + grad wrt weights, each about one forward's matmuls."""
@@ -101,6 +101,12 @@ class ModelCosts:
     largest_params: tuple[int, ...] = ()
     """Per region, elements of its largest parameter tensor (a ZeRO unit is at least one
     whole parameter); empty: unknown."""
+    selective_bytes: tuple[tuple[str, tuple[int, ...]], ...] = ()
+    """Per selective recompute policy (`piper.Recompute` attention, op), per region, what a
+    microbatch keeps, measured as the runtime rewrites the region; a policy missing here
+    keeps what no recompute keeps."""
+    recompute_ops: tuple[tuple[str, tuple[tuple[OpGroup, ...], ...]], ...] = ()
+    """Per selective policy, per region, the ops its backward runs again."""
     precision: str = "fp32"
     """What training computes in (`with_precision`): fp32, bf16-mixed or bf16."""
     wire_element_size: int = 0
@@ -135,14 +141,22 @@ class ModelCosts:
         return self._sum(self.forward_flops, regions) * samples / self.batch
 
     def activation_bytes_of(self, regions: Sequence[str], samples: float,
-                            recompute: bool = False) -> float:
-        """Bytes a microbatch of `samples` keeps from its forward to its backward."""
-        figures = self.recompute_bytes if recompute and self.recompute_bytes else (
-            self.activation_bytes)
+                            recompute: bool | str = False) -> float:
+        """Bytes a microbatch of `samples` keeps from its forward to its backward, under
+        recompute `recompute` (False: none; True or "full"; a selective policy's name)."""
+        figures = self.activation_bytes
+        if recompute in (True, "full"):
+            figures = self.recompute_bytes or figures
+        elif recompute:
+            figures = dict(self.selective_bytes).get(recompute, figures)
         return self._sum(figures, regions) * samples / self.batch
 
-    def recompute_peak_bytes_of(self, regions: Sequence[str], samples: float) -> float:
-        """Under recompute, the largest one region rebuilds while its backward runs."""
+    def recompute_peak_bytes_of(self, regions: Sequence[str], samples: float,
+                                policy: str = "full") -> float:
+        """Under recompute, the largest one region rebuilds while its backward runs (a
+        selective policy rebuilds one small segment at a time: counted as none)."""
+        if policy != "full":
+            return 0.0
         kept = self.output_bytes or (0,) * len(self.regions)
         return max((self.activation_bytes[i] - kept[i]
                     for i in map(self.regions.index, regions)), default=0) * samples / self.batch
@@ -167,33 +181,21 @@ class ModelCosts:
         if not self._ops_match:
             fwd = self.forward_flops_of(regions, samples) / cluster.effective_flops
             return fwd, BACKWARD_FLOPS_RATIO * fwd
-        scale = samples / self.batch
-        mm = mm_back = other = moved = 0.0
-        kernels = 0
-        for r in regions:
-            for g in self.ops[self.regions.index(r)]:
-                if g.flops and g.shape and not g.attention:
-                    fwd, back = _gemm_seconds(g, scale, cluster)
-                    mm += g.count * fwd
-                    mm_back += g.count * back
-                elif g.flops:
-                    t = g.count * cluster.matmul_seconds(g.flops * g.work * scale,
-                                                         g.nbytes * scale, g.low_precision,
-                                                         g.attention)
-                    mm += t
-                    mm_back += t * (ATTENTION_BACKWARD_RATIO if g.attention
-                                    else BACKWARD_FLOPS_RATIO)
-                else:
-                    other += g.count
-                    moved += g.count * g.nbytes * scale
-                kernels += g.count if g.flops or g.nbytes else 0
-        bw = cluster.elementwise_bandwidth
-        streamed = moved / bw if bw else 0.0
-        launch = kernels * cluster.kernel_overhead_s
-        host = kernels * cluster.host_dispatch_s  # the host queues kernels ahead
-        return (max(mm + other * cluster.op_overhead_s + streamed + launch, host),
-                max(mm_back + BACKWARD_FLOPS_RATIO * (streamed + launch)
-                    + other * cluster.backward_op_overhead_s, BACKWARD_FLOPS_RATIO * host))
+        return _ops_seconds([g for r in regions for g in self.ops[self.regions.index(r)]],
+                            samples / self.batch, cluster)
+
+    def recompute_seconds(self, regions: Sequence[str], samples: float,
+                          cluster: ClusterSpec, policy: str = "full") -> float:
+        """What a backward of `regions` runs again first under recompute `policy`: the whole
+        forward (full), or the ops a selective policy recomputes (`recompute_ops`; none
+        recorded: nothing)."""
+        if policy == "full":
+            return self.chunk_seconds(regions, samples, cluster)[0]
+        groups = dict(self.recompute_ops).get(policy)
+        if not groups:
+            return 0.0
+        return _ops_seconds([g for r in regions for g in groups[self.regions.index(r)]],
+                            samples / self.batch, cluster)[0]
 
     def params_of(self, regions: Sequence[str]) -> int:
         return self._sum(self.params, regions)
@@ -207,6 +209,35 @@ class ModelCosts:
     @property
     def forward_flops_per_sample(self) -> float:
         return sum(self.forward_flops) / self.batch
+
+
+def _ops_seconds(groups: Sequence[OpGroup], scale: float, cluster: ClusterSpec
+                 ) -> tuple[float, float]:
+    """(forward, backward) seconds of op `groups` at `scale` times their capture batch
+    (`ModelCosts.chunk_seconds`)."""
+    mm = mm_back = other = moved = 0.0
+    kernels = 0
+    for g in groups:
+        if g.flops and g.shape and not g.attention:
+            fwd, back = _gemm_seconds(g, scale, cluster)
+            mm += g.count * fwd
+            mm_back += g.count * back
+        elif g.flops:
+            t = g.count * cluster.matmul_seconds(g.flops * g.work * scale, g.nbytes * scale,
+                                                 g.low_precision, g.attention)
+            mm += t
+            mm_back += t * (ATTENTION_BACKWARD_RATIO if g.attention else BACKWARD_FLOPS_RATIO)
+        else:
+            other += g.count
+            moved += g.count * g.nbytes * scale
+        kernels += g.count if g.flops or g.nbytes else 0
+    bw = cluster.elementwise_bandwidth
+    streamed = moved / bw if bw else 0.0
+    launch = kernels * cluster.kernel_overhead_s
+    host = kernels * cluster.host_dispatch_s  # the host queues kernels ahead
+    return (max(mm + other * cluster.op_overhead_s + streamed + launch, host),
+            max(mm_back + BACKWARD_FLOPS_RATIO * (streamed + launch)
+                + other * cluster.backward_op_overhead_s, BACKWARD_FLOPS_RATIO * host))
 
 
 def _gemm_seconds(g: OpGroup, scale: float, cluster: ClusterSpec) -> tuple[float, float]:
@@ -224,7 +255,8 @@ def model_costs(captured: Captured) -> ModelCosts:
     """FLOPs, saved bytes and parameters of every region of `captured`, at its capture batch."""
     mg = captured.graph
     ep = captured.program
-    counter = _RegionCounter(ep.graph_module, captured.node_region, len(mg.regions))
+    counter = _RegionCounter(graph_on_meta(ep.graph_module), captured.node_region,
+                             len(mg.regions))
     placeholders = [n for n in ep.graph.nodes if n.op == "placeholder"]
     with counter.mode:
         outputs = counter.run(*(to_meta(n.meta.get("val")) for n in placeholders))
@@ -233,22 +265,42 @@ def model_costs(captured: Captured) -> ModelCosts:
         key = (0, False, 1.0, nbytes, False, (), True)
         head[key] = head.get(key, 0) + count
     measured = saved_bytes(captured)
+    again = () if measured is None else tuple(
+        (policy, tuple(_grouped(counter.node_keys, names) for names in per_region))
+        for policy, per_region in measured.recomputed.items())
     return ModelCosts(
         regions=mg.names,
         forward_flops=tuple(counter.flops),
-        activation_bytes=measured[0] if measured else tuple(counter.saved),
+        activation_bytes=measured.saved if measured else tuple(counter.saved),
         params=tuple(r.param_numel for r in mg.regions),
         batch=mg.batch,
         tokens_per_sample=_tokens_per_sample(captured),
         element_size=_element_size(captured),
-        ops=tuple(tuple(OpGroup(f, c, lp, w, b, a, shape, fp32)
-                        for (f, lp, w, b, a, shape, fp32), c in sorted(groups.items()))
-                  for groups in counter.ops),
+        ops=tuple(_op_groups(groups) for groups in counter.ops),
         param_tensors=tuple(len(r.params) for r in mg.regions),
-        recompute_bytes=measured[1] if measured else (),
-        output_bytes=measured[2] if measured else (),
+        recompute_bytes=measured.inputs if measured else (),
+        output_bytes=measured.tails if measured else (),
         largest_params=tuple(r.largest_param for r in mg.regions),
+        selective_bytes=tuple(measured.selective.items()) if measured else (),
+        recompute_ops=again,
     )
+
+
+_Key = tuple[int, bool, float, int, bool, tuple[int, ...], bool]
+
+
+def _op_groups(groups: dict[_Key, int]) -> tuple[OpGroup, ...]:
+    return tuple(OpGroup(f, c, lp, w, b, a, shape, fp32)
+                 for (f, lp, w, b, a, shape, fp32), c in sorted(groups.items()))
+
+
+def _grouped(node_keys: dict[str, _Key], names: frozenset[str]) -> tuple[OpGroup, ...]:
+    """The op groups of the nodes `names` (those a selective recompute runs again)."""
+    counts: dict[_Key, int] = {}
+    for name in names:
+        if name in node_keys:
+            counts[node_keys[name]] = counts.get(node_keys[name], 0) + 1
+    return _op_groups(counts)
 
 
 class _RegionCounter(fx.Interpreter):
@@ -264,8 +316,8 @@ class _RegionCounter(fx.Interpreter):
         self.mode = FlopCounterMode(display=False)
         self.flops = [0] * regions
         self.saved = [0] * regions
-        self.ops: list[dict[tuple[int, bool, float, int, bool, tuple[int, ...], bool],
-                            int]] = [{} for _ in range(regions)]
+        self.ops: list[dict[_Key, int]] = [{} for _ in range(regions)]
+        self.node_keys: dict[str, _Key] = {}  # each ATen op's group
 
     def run_node(self, n: fx.Node) -> object:
         if n.op != "call_function":
@@ -285,6 +337,7 @@ class _RegionCounter(fx.Interpreter):
                    _moved_bytes(n, args, out), attention,
                    () if attention else _gemm_shape(flops, args, out), False)
             self.ops[r][key] = self.ops[r].get(key, 0) + 1
+            self.node_keys[n.name] = key
         if not _aliases(n):
             self.saved[r] += sum(t.numel() * t.element_size()
                                  for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor))
@@ -400,13 +453,19 @@ def with_precision(costs: ModelCosts, precision: str, reduce_dtype: str = "fp32"
     low = precision != "fp32"
     # matmuls at the bf16 rate; every op streams bf16 activations (half the bytes; a
     # matmul's weight is the bf16 copy autocast makes)
-    ops = tuple(tuple(replace(g, low_precision=g.low_precision or bool(g.flops),
-                              nbytes=g.nbytes // 2) if low and not g.fp32 else g
-                      for g in groups) for groups in costs.ops)
+    def lowered(groups: tuple[OpGroup, ...]) -> tuple[OpGroup, ...]:
+        return tuple(replace(g, low_precision=g.low_precision or bool(g.flops),
+                             nbytes=g.nbytes // 2) if low and not g.fp32 else g
+                     for g in groups)
+
+    ops = tuple(lowered(groups) for groups in costs.ops)
     half = (lambda t: tuple(x // 2 for x in t)) if low else (lambda t: t)
     element = 2 if precision == "bf16" else costs.element_size
     return replace(
         costs, ops=ops, activation_bytes=half(costs.activation_bytes),
+        selective_bytes=tuple((p, half(b)) for p, b in costs.selective_bytes),
+        recompute_ops=tuple((p, tuple(lowered(g) for g in per))
+                            for p, per in costs.recompute_ops),
         recompute_bytes=half(costs.recompute_bytes), output_bytes=half(costs.output_bytes),
         element_size=element,
         precision=precision, wire_element_size=2 if low else 0,

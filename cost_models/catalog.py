@@ -71,8 +71,8 @@ dispatcher, the backend and cudaLaunchKernel at about 1-5 us each, "~5-25 us of 
 work per op" (a secondary source, jiahuanglin.xyz "From PyTorch op to kernel launch";
 ../shared/published/kernels_and_collectives.md quotes the same range): the middle of it."""
 FITTED: dict[str, dict[str, float]] = {
-    "a100": {"sustained_clock": 0.811},
-    "h100": {"sustained_clock": 0.776},
+    "a100": {"sustained_clock": 0.802},
+    "h100": {"sustained_clock": 0.764},
 }
 """The coefficient no source publishes, fitted per GPU generation by least squares on the
 exact published runs of `benchmarks/published_runs.py` (`benchmarks/calibrate_gpus.py`

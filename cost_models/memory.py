@@ -21,7 +21,7 @@ from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 
 from cost_models.analytical import ModelCosts
-from cost_models.task_costs import gathered_element_size, recomputed
+from cost_models.task_costs import gathered_element_size, recompute_policy, recomputed
 from piper.dag import Kind
 from runtime.execute.buckets import early_reduce_scatters
 from runtime.lowering.dryrun import Span
@@ -81,17 +81,18 @@ def activation_bytes(plan: Plan, costs: ModelCosts, microbatch_size: int,
     """Per stage: bytes one microbatch's forward keeps for its backward (on the stages
     `recomputed(plan, recompute)`: its regions' inputs)."""
     again = recomputed(plan, recompute)
-    return tuple(round(costs.activation_bytes_of(rs, microbatch_size, s in again))
+    policy = recompute_policy(plan, recompute)
+    return tuple(round(costs.activation_bytes_of(rs, microbatch_size, s in again and policy))
                  for s, rs in enumerate(plan.stage_regions))
 
 
-def recompute_bytes(costs: ModelCosts, regions: Sequence[str], microbatch_size: int
-                    ) -> tuple[int, int]:
+def recompute_bytes(costs: ModelCosts, regions: Sequence[str], microbatch_size: int,
+                    policy: str = "full") -> tuple[int, int]:
     """What recompute adds to a stage's kept inputs: the largest region its backward
     rebuilds while it runs, and what a split backward's I leaves for W (W's products, up
     to the rest of the forward's saved tensors)."""
-    kept = round(costs.activation_bytes_of(regions, microbatch_size, True))
-    return (round(costs.recompute_peak_bytes_of(regions, microbatch_size)),
+    kept = round(costs.activation_bytes_of(regions, microbatch_size, policy))
+    return (round(costs.recompute_peak_bytes_of(regions, microbatch_size, policy)),
             round(costs.activation_bytes_of(regions, microbatch_size)) - kept)
 
 
@@ -114,17 +115,19 @@ class StageMemory:
     @staticmethod
     def of(stage_regions: Sequence[Sequence[str]], costs: ModelCosts, microbatch_size: int,
            zero: int, recompute: Collection[int], bucket_bytes: int = 0,
-           early: Collection[int] = (), paired: bool = False) -> StageMemory:
+           early: Collection[int] = (), paired: bool = False, policy: str = "full"
+           ) -> StageMemory:
         """`early`: stages whose ZeRO-2/3 units of at most `bucket_bytes` (or one larger
         parameter) start their reduce-scatters inside the backward
         (`runtime.execute.buckets.early_reduce_scatters`): two units' gradients alive at most.
         ZeRO-3's units are gathered two at a time inside a chunk unless the schedule runs
         overlapped pairs (`paired`; `runtime.execute.unit_gather.unit_gathers`)."""
         again = frozenset(recompute)
-        act = tuple(round(costs.activation_bytes_of(rs, microbatch_size, s in again))
+        act = tuple(round(costs.activation_bytes_of(rs, microbatch_size,
+                                                    s in again and policy))
                     for s, rs in enumerate(stage_regions))
-        extra = [recompute_bytes(costs, rs, microbatch_size) if s in again else (0, 0)
-                 for s, rs in enumerate(stage_regions)]
+        extra = [recompute_bytes(costs, rs, microbatch_size, policy) if s in again
+                 else (0, 0) for s, rs in enumerate(stage_regions)]
         size = gathered_element_size(costs, zero)  # ZeRO-3's gathered copies, their grads
         full = tuple(size * costs.params_of(rs) for rs in stage_regions)
         none = tuple(0 for _ in full)
@@ -223,7 +226,8 @@ def _timeline(plan: Plan, costs: ModelCosts, microbatch_size: int, spans: Iterab
     they ran on the simulated timeline."""
     mem = StageMemory.of(plan.stage_regions, costs, microbatch_size, plan.zero,
                          recomputed(plan, recompute), plan.bucket_bytes,
-                         early_reduce_scatters(plan), plan.paired)
+                         early_reduce_scatters(plan), plan.paired,
+                         recompute_policy(plan, recompute))
     by_rank: dict[int, list[tuple[float, float, int, Span]]] = {rp.rank: [] for rp in plan.ranks}
     # ties in time (zero-length tasks) keep the executor's completion order, which is causal
     for i, s in enumerate(spans):

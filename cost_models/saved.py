@@ -8,6 +8,10 @@ backward, not an upper bound from op outputs.
 
 With recompute (activation checkpointing per region, Megatron-style per layer), a region
 keeps only its inputs and rebuilds the rest in backward, so its figure is its inputs' bytes.
+Under a selective policy (`piper.Recompute` attention or op) the region is rewritten as the
+runtime rewrites it (`runtime.execute.recompute`) and run under the runtime's own ledger
+(`runtime.execute.memory.SavedTensors`): what autograd packs outside the checkpointed
+segments plus the inputs they keep.
 
 The output region also holds the model's outputs until its backward (the runtime keeps them
 as backward's roots) and what the loss saves: for a language model the logits and their
@@ -16,47 +20,59 @@ log-softmax, each batch x tokens x vocabulary, often the largest activation of t
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from piper.capture import Captured, to_meta
+from piper.directives.recompute import POLICIES
+from runtime.execute.memory import SavedTensors
+from runtime.execute.recompute import checkpointing
+from runtime.execute.selective import segments
 from runtime.execute.stage_module import StageModule, build_stage
 
 _META = torch.device("meta")
+SELECTIVE = tuple(p for p in POLICIES if p != "full")
 
 
-Figures = tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]
+@dataclass(frozen=True)
+class Figures:
+    """Per region at the capture batch: bytes kept for backward without recompute
+    (`saved`), under full recompute (`inputs`), the part of both the model's outputs and
+    the loss keep (`tails`); per selective policy, bytes kept (`selective`) and the names of
+    the ops its backward runs again (`recomputed`)."""
+
+    saved: tuple[int, ...]
+    inputs: tuple[int, ...]
+    tails: tuple[int, ...]
+    selective: dict[str, tuple[int, ...]]
+    recomputed: dict[str, tuple[frozenset[str], ...]]
 
 
 def saved_bytes(captured: Captured) -> Figures | None:
-    """(saved, recompute, outputs) bytes per region at the capture batch — the third the
-    part of both that the model's outputs and the loss keep; None if some region's ops
-    cannot run on meta (the caller keeps its upper bound)."""
+    """What every region keeps, measured; None if some region's ops cannot run on meta (the
+    caller keeps its upper bound)."""
     rows = []
     try:
         for i in range(len(captured.graph.regions)):
             rows.append(_region(captured, i))
     except Exception:  # noqa: BLE001 - an op without a meta kernel or autograd formula
         return None
-    saved, inputs, tails = zip(*rows, strict=True)
-    return tuple(saved), tuple(inputs), tuple(tails)
+    saved, inputs, tails, selective = zip(*rows, strict=True)
+    return Figures(saved, inputs, tails,
+                   {p: tuple(r[p][0] for r in selective) for p in SELECTIVE},
+                   {p: tuple(r[p][1] for r in selective) for p in SELECTIVE})
 
 
-def _region(captured: Captured, index: int) -> tuple[int, int, int]:
+def _region(captured: Captured, index: int
+            ) -> tuple[int, int, int, dict[str, tuple[int, frozenset[str]]]]:
     sm = build_stage(captured, {index}, _META)
     _fused_attention(sm.module)
-    placeholders = [n for n in sm.module.graph.nodes if n.op == "placeholder"]
-    args, state, input_bytes = [], set(), 0
-    for (kind, _), node in zip(sm.inputs, placeholders, strict=True):
-        t = _meta_like(node.meta.get("val"))
-        if kind == "param" and t.is_floating_point():
-            t.requires_grad_(True)
-        if kind in ("param", "buffer"):
-            state.add(_storage(t))
-        else:
-            if kind == "act" and t.is_floating_point():
-                t.requires_grad_(True)
-            input_bytes += _nbytes(t)
-        args.append(t)
+    policies = {}
+    for policy in SELECTIVE:
+        policies[policy] = _selective(captured, build_stage(captured, {index}, _META), policy)
+    args, state = _inputs(sm)
+    input_bytes = sum(_nbytes(t) for t in args if _storage(t) not in state)
     packed: dict[int, int] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
@@ -68,7 +84,38 @@ def _region(captured: Captured, index: int) -> tuple[int, int, int]:
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         outs = dict(zip(sm.outputs, sm.module(*args)))
     tail = _output_tail(captured, sm, outs, state | set(packed))
-    return sum(packed.values()) + tail, input_bytes + tail, tail
+    return sum(packed.values()) + tail, input_bytes + tail, tail, policies
+
+
+def _selective(captured: Captured, sm: StageModule, policy: str
+               ) -> tuple[int, frozenset[str]]:
+    """(bytes kept, ops run again) of a region under a selective recompute `policy`."""
+    _fused_attention(sm.module)
+    kinds = [kind for kind, _ in sm.inputs]
+    picked = segments(sm.module, captured.node_region, kinds, policy)
+    rewritten = checkpointing(sm, picked)
+    args, state = _inputs(sm)
+    ledger = SavedTensors(state)
+    with ledger.counting():
+        outs = dict(zip(rewritten.outputs, rewritten.module(*args)))
+    tail = _output_tail(captured, rewritten, outs, state | set(ledger.storages))
+    return (sum(ledger.storages.values()) + tail,
+            frozenset(n.name for seg in picked for n in seg))
+
+
+def _inputs(sm: StageModule) -> tuple[list[torch.Tensor], set[int]]:
+    """Meta tensors for `sm`'s inputs as training sees them (floating parameters and
+    activations require grad) and the model state's storages among them."""
+    placeholders = [n for n in sm.module.graph.nodes if n.op == "placeholder"]
+    args, state = [], set()
+    for (kind, _), node in zip(sm.inputs, placeholders, strict=True):
+        t = _meta_like(node.meta.get("val"))
+        if kind in ("param", "act") and t.is_floating_point():
+            t.requires_grad_(True)
+        if kind in ("param", "buffer"):
+            state.add(_storage(t))
+        args.append(t)
+    return args, state
 
 
 def _output_tail(captured: Captured, sm: StageModule, outs: dict[str, torch.Tensor],
@@ -105,7 +152,7 @@ def _fused_attention(gm: torch.fx.GraphModule) -> None:
     row per query, which is what training really holds.
     """
     hit = False
-    for n in gm.graph.nodes:
+    for n in gm.graph.nodes:  # before any split: the top graph has every op
         if n.op == "call_function" and n.target is _SDPA:
             n.target = _flash_attention
             hit = True
@@ -124,6 +171,10 @@ def _flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      enable_gqa=enable_gqa)
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
         q, k, v, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)[0]
+
+
+_flash_attention._piper_attention = True  # type: ignore[attr-defined]
+"""`runtime.execute.selective.is_attention` knows it for the attention policy."""
 
 
 def _meta_like(val: object) -> torch.Tensor:

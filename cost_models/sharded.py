@@ -37,6 +37,9 @@ class InGraphComm:
     sequence_regather: tuple[tuple[int, ...], ...] = ()
     """Sequence parallelism: gathered again in backward by a linear that kept only its
     slice (`runtime.execute.regather`, Megatron's)."""
+    sequence_split: tuple[tuple[int, ...], ...] = ()
+    """Sequence parallelism entered from replicated code (`piper.collectives.sp_split`):
+    split for free forward, the whole gradient gathered backward."""
 
     def in_precision(self, costs: ModelCosts) -> InGraphComm:
         """These collectives' bytes when training in `costs.precision`: bf16 training
@@ -50,7 +53,7 @@ class InGraphComm:
         return InGraphComm(scaled(self.forward_all_reduce), scaled(self.backward_all_reduce),
                            scaled(self.all_to_all), scaled(self.forward_all_gather),
                            scaled(self.sequence_scatter), scaled(self.sequence_gather),
-                           scaled(self.sequence_regather))
+                           scaled(self.sequence_regather), scaled(self.sequence_split))
 
 
 def in_graph_comm(captured: Captured) -> InGraphComm:
@@ -62,15 +65,19 @@ def in_graph_comm(captured: Captured) -> InGraphComm:
     scatter: list[list[int]] = [[] for _ in range(n)]
     sp_gathers: list[list[int]] = [[] for _ in range(n)]
     regathers: list[list[int]] = [[] for _ in range(n)]
+    splits: list[list[int]] = [[] for _ in range(n)]
+    # leaving sequence parallelism for replicated code gathers as a vocabulary-parallel
+    # output layer does (forward, a slice backward)
     into = {"tp_reduce": fwd, "tp_copy": bwd, "all_to_all": a2a, "tp_gather": gather,
-            "sp_scatter": scatter, "sp_gather": sp_gathers}
+            "sp_scatter": scatter, "sp_gather": sp_gathers, "sp_gather_whole": gather,
+            "sp_split": splits}
     for node in captured.program.graph.nodes:
         op = getattr(node.target, "_schema", None)
         if node.op != "call_function" or op is None or not op.name.startswith("piper::"):
             continue
         name = op.name.removeprefix("piper::")
         val = node.meta["val"]
-        if name == "sp_scatter":  # the whole (unscattered) tensor is what the ring moves
+        if name in ("sp_scatter", "sp_split"):  # the whole tensor is what the ring moves
             val = node.args[0].meta["val"]
         region, nbytes = captured.node_region[node.name], val.numel() * val.element_size()
         into[name][region].append(nbytes)
@@ -78,7 +85,8 @@ def in_graph_comm(captured: Captured) -> InGraphComm:
             regathers[region].append(nbytes)
     # sequence parallelism: a gather forward is a reduce-scatter backward and vice versa
     return InGraphComm(*(tuple(tuple(r) for r in lists)
-                         for lists in (fwd, bwd, a2a, gather, scatter, sp_gathers, regathers)))
+                         for lists in (fwd, bwd, a2a, gather, scatter, sp_gathers, regathers,
+                                       splits)))
 
 
 def all_to_all_time(nbytes: float, group: tuple[int, ...], cluster: ClusterSpec) -> float:
@@ -135,12 +143,15 @@ def with_in_graph_comm(tc: TaskCosts, plan: Plan, traffic: InGraphComm, cluster:
             backward += (seconds(traffic.sequence_scatter, regions, "ag")
                          + seconds(traffic.sequence_gather, regions, "rs")
                          + seconds(traffic.sequence_regather, regions, "ag"))
+        if traffic.sequence_split:
+            backward += seconds(traffic.sequence_split, regions, "ag")
         if tp_overlap:
             forward = overlapped(forward, tc.forward_s[s], contention)
             backward = overlapped(backward, tc.backward_s[s], contention)
         forward, backward = forward + a2a, backward + a2a
-        # a recompute re-runs the forward's collectives inside the backward
-        rebuilt = forward if s in plan.recompute else 0.0
+        # a full recompute re-runs the forward's collectives inside the backward (a
+        # selective one recomputes no collective)
+        rebuilt = forward if s in plan.recompute and plan.recompute_policy == "full" else 0.0
         fwd.append(tc.forward_s[s] + forward)
         bwd.append(tc.backward_s[s] + backward + rebuilt)
         again.append((tc.recompute_s[s] if tc.recompute_s else 0.0) + rebuilt)

@@ -166,11 +166,17 @@ _COLLECTIVE = {Kind.ALL_REDUCE: comm.ALL_REDUCE, Kind.ALL_GATHER: comm.ALL_GATHE
 
 
 def recomputed(plan: Plan, recompute: bool | None = None) -> frozenset[int]:
-    """Stages whose backward repeats their forward: the Plan's (`piper.Recompute`), or with
-    `recompute` True/False every stage/none (what-if figures)."""
+    """Stages whose backward repeats (part of) their forward: the Plan's
+    (`piper.Recompute`), or with `recompute` True/False every stage/none (what-if figures,
+    full recompute)."""
     if recompute is None:
         return frozenset(plan.recompute)
     return frozenset(range(len(plan.stage_regions))) if recompute else frozenset()
+
+
+def recompute_policy(plan: Plan, recompute: bool | None = None) -> str:
+    """The policy of the stages `recomputed` names: the Plan's, or full for what-ifs."""
+    return plan.recompute_policy if recompute is None else "full"
 
 
 def _wire_bytes(v: Any, costs: ModelCosts) -> float:
@@ -191,11 +197,15 @@ def task_costs(plan: Plan, costs: ModelCosts, cluster: ClusterSpec,
                microbatch_size: int, *, recompute: bool | None = None) -> TaskCosts:
     """Analytical TaskCosts: chunks op by op (`ModelCosts.chunk_seconds`); updates per
     parameter tensor plus the bytes AdamW streams over memory bandwidth. On recomputed
-    stages (`recomputed`) each backward first repeats its forward."""
+    stages (`recomputed`) each backward first repeats its forward, or under a selective
+    policy the ops it recomputes (`ModelCosts.recompute_seconds`)."""
     chunks = [costs.chunk_seconds(rs, microbatch_size, cluster) for rs in plan.stage_regions]
     fwd = tuple(f for f, _ in chunks)
     again = recomputed(plan, recompute)
-    rec = tuple(f if s in again else 0.0 for s, (f, _) in enumerate(chunks))
+    policy = recompute_policy(plan, recompute)
+    rec = tuple((f if policy == "full" else costs.recompute_seconds(
+        rs, microbatch_size, cluster, policy)) if s in again else 0.0
+        for s, ((f, _), rs) in enumerate(zip(chunks, plan.stage_regions, strict=True)))
     bwd = tuple(b + r for (_, b), r in zip(chunks, rec, strict=True))
     params = tuple(costs.params_of(rs) for rs in plan.stage_regions)
     shards = plan.dp if plan.zero else 1  # ZeRO ranks update only their shard

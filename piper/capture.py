@@ -10,6 +10,7 @@ pure metadata the DAG, directives and cost models work on. The FX graph itself s
 from __future__ import annotations
 
 import contextlib
+import copy
 import io
 import sys
 from collections import defaultdict
@@ -299,6 +300,22 @@ def to_meta(val: Any) -> Any:
                                        dtype=v.dtype, device="meta")
         return v
     return pytree.tree_map(conv, val)
+
+
+def graph_on_meta(gm: fx.GraphModule) -> fx.GraphModule:
+    """A copy of `gm` (same node names) whose ops make their tensors on meta: a capture's
+    factories name the trace's device (`TRACE_DEVICE`), and replayed as they are they would
+    allocate for real (a causal mask of sequence x sequence, gigabytes at 32K tokens)."""
+    graph = copy.deepcopy(gm.graph)
+    meta = torch.device("meta")
+
+    def retarget(a: Any) -> Any:
+        return meta if isinstance(a, torch.device) else a
+
+    for n in graph.nodes:
+        n.args = fx.node.map_aggregate(n.args, retarget)
+        n.kwargs = fx.node.map_aggregate(n.kwargs, retarget)
+    return fx.GraphModule(gm, graph)
 
 
 def _run_fresh(spec: ModelSpec, batch: int, sharding: ModelSharding | None,

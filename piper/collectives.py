@@ -203,6 +203,49 @@ sp_scatter.register_autograd(
     lambda ctx, g: (_seq_gather(g, ctx.group, ctx.degree), None, None),
     setup_context=_keep_degree)
 
+
+# ---- entering and leaving a sequence-parallel stretch from replicated code ---------------
+# (a model whose code between layers needs the whole sequence: Hugging Face's decoder
+# builds its causal mask and rotary angles from the embeddings' length, so the sequence is
+# split at the first layer and gathered whole again before the final norm)
+def _own_sequence(x: torch.Tensor, key: int, degree: int) -> torch.Tensor:
+    index = dist.get_rank(_group(key))
+    return x.chunk(degree, dim=1)[index].contiguous()
+
+
+@torch.library.custom_op("piper::sp_split", mutates_args=())
+def sp_split(x: torch.Tensor, group: int, degree: int) -> torch.Tensor:
+    """This rank's 1/t of the sequence (dim 1) of a tensor every rank holds whole."""
+    return _own_sequence(x, group, degree)
+
+
+@sp_split.register_fake
+def _(x: torch.Tensor, group: int, degree: int) -> torch.Tensor:
+    return x.new_empty((x.shape[0], x.shape[1] // degree, *x.shape[2:]))
+
+
+sp_split.register_autograd(
+    lambda ctx, g: (_seq_gather(g, ctx.group, ctx.degree), None, None),
+    setup_context=_keep_degree)
+
+
+@torch.library.custom_op("piper::sp_gather_whole", mutates_args=())
+def sp_gather_whole(x: torch.Tensor, group: int, degree: int) -> torch.Tensor:
+    """The whole sequence on every rank, for code that runs replicated after it (backward:
+    this rank's slice of the gradient, which every rank computed alike)."""
+    return _seq_gather(x, group, degree)
+
+
+@sp_gather_whole.register_fake
+def _(x: torch.Tensor, group: int, degree: int) -> torch.Tensor:
+    return x.new_empty((x.shape[0], x.shape[1] * degree, *x.shape[2:]))
+
+
+sp_gather_whole.register_autograd(
+    lambda ctx, g: (_own_sequence(g, ctx.group, ctx.degree), None, None),
+    setup_context=_keep_degree)
+
 IN_GRAPH_OPS = {"tp_copy": TP_GROUP, "tp_reduce": TP_GROUP, "tp_gather": TP_GROUP,
-                "sp_gather": TP_GROUP, "sp_scatter": TP_GROUP, "all_to_all": EP_GROUP}
+                "sp_gather": TP_GROUP, "sp_scatter": TP_GROUP, "all_to_all": EP_GROUP,
+                "sp_split": TP_GROUP, "sp_gather_whole": TP_GROUP}
 """Op name -> the group it runs over (cost models price these nodes as collectives)."""

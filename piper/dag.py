@@ -156,6 +156,7 @@ class TrainingDAG:
     streams: tuple[tuple[str, str], ...] = ()  # task kind value -> logical stream (Stream)
     sharding: ModelSharding = field(default_factory=ModelSharding)  # tensor / expert parallelism inside chunks
     recompute: tuple[int, ...] = ()  # stages whose activations are rebuilt in backward
+    recompute_policy: str = "full"  # what they keep (`piper.directives.recompute.POLICIES`)
     pairs: tuple[tuple[Node, Node], ...] = ()  # overlapped (forward, backward), replica 0 (Order)
     kept: tuple[int, ...] = ()
     """Replicas whose nodes exist; empty: all. A simulation view (`planner.search.replicas`): data-

@@ -140,7 +140,31 @@ def _tp_plan(config: Any, prefix: str) -> tuple[tuple[tuple[str, str], ...], lis
         return (), [(f"tensor parallelism: off (base_model_tp_plan gives {k} style {v!r}; "
                     f"supported: {', '.join(TP_STYLES)})")]
     under = f"{prefix}." if prefix else ""
-    return tuple((f"{under}{k}", TP_STYLES[v]) for k, v in plan.items()), []
+    ours = tuple((f"{under}{k}", TP_STYLES[v]) for k, v in plan.items())
+    return ours + _sequence_entries(config, under, ours), []
+
+
+def _sequence_entries(config: Any, under: str, plan: tuple[tuple[str, str], ...]
+                      ) -> tuple[tuple[str, str], ...]:
+    """Where sequence parallelism gathers and splits in a Hugging Face decoder
+    (`piper.tensor_parallel`'s module styles): the modules holding split layers (attention,
+    MLP) are `sequence_block`s, since their code views q by the input's length; the first
+    layer of the list `base_model_pp_plan` names splits the sequence, and the module after
+    the list (the final norm) gathers it whole, so the decoder's own code (causal mask,
+    rotary angles, position ids) still sees the whole sequence. None without a layer list
+    followed by a module in `base_model_pp_plan`."""
+    order = list(getattr(config, "base_model_pp_plan", None) or {})
+    after = {a: b for a, b in zip(order, order[1:])}
+    split = [k for k, v in plan if v in ("colwise", "rowwise")]
+    blocks = sorted({k.rpartition(".")[0] for k in split})
+    lists = {b.split(".*", 1)[0] for b in blocks if ".*" in b}
+    if len(lists) != 1:
+        return ()
+    layers = lists.pop()
+    if layers.removeprefix(under) not in after:
+        return ()
+    return (*((b, "sequence_block") for b in blocks), (f"{layers}.0", "sequence_split"),
+            (f"{under}{after[layers.removeprefix(under)]}", "sequence_gather"))
 
 
 def _with_regions(model: nn.Module, config: Any) -> nn.Module:

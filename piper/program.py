@@ -23,6 +23,7 @@ from piper.directives import (
     from_dict,
 )
 from piper.directives.order import apply_orders
+from piper.directives.recompute import recompute_value
 from piper.directives.place import apply_places
 from piper.errors import DirectiveError, PiperError
 from piper.pyfile import import_user_file
@@ -97,7 +98,9 @@ class Program:
             "schedule": self.name,
             "virtual_stages": max(1, len(stages) // pp),
             "microbatches": split[0] if split else 1,
-            "recompute": any(isinstance(d, Recompute) for d in self.directives),
+            # False, True (full recompute) or the selective policy's name
+            "recompute": recompute_value(next((d.policy for d in self.directives
+                                               if isinstance(d, Recompute)), None)),
             # gradient collectives on a stream of their own (they overlap later compute)
             "comm_stream": any(isinstance(d, Stream) and set(d.kinds.split()) & {"AR", "RS"}
                                for d in self.directives),

@@ -24,6 +24,7 @@ from piper.directives import (
     SplitBackward,
     Stream,
 )
+from piper.directives.recompute import value_policy
 from piper.program import Program
 
 NO_PIPELINE = "none"
@@ -268,15 +269,17 @@ SCHEDULES: dict[str, Callable[..., Program]] = {
 
 
 def build(schedule: str, stages: Sequence[Sequence[str]], *, microbatches: int,
-          dp: int = 1, pp: int | None = None, zero: int = 0, recompute: bool = False
+          dp: int = 1, pp: int | None = None, zero: int = 0, recompute: bool | str = False
           ) -> Program:
-    """The named schedule as a Program (with `recompute`, on every stage); `KeyError` names
-    the known ones, `ValueError` says why the schedule does not fit the stages."""
+    """The named schedule as a Program (with `recompute` on every stage: True for full, or
+    a policy's name); `KeyError` names the known ones, `ValueError` says why the schedule
+    does not fit the stages."""
     known = {**SCHEDULES, NO_PIPELINE: no_pipeline}
     if schedule not in known:
         raise KeyError(f"unknown schedule {schedule!r}; known: {', '.join(known)}")
     prog = known[schedule](stages, microbatches=microbatches, dp=dp, pp=pp, zero=zero)
-    return with_recompute(prog) if recompute else prog
+    policy = value_policy(recompute)
+    return with_recompute(prog, policy=policy) if policy else prog
 
 
 def shard(program: Program, *, tp: int = 1, ep: int = 1,
@@ -291,10 +294,12 @@ def shard(program: Program, *, tp: int = 1, ep: int = 1,
     return _insert(program, extra)
 
 
-def with_recompute(program: Program, stages: Sequence[int] = ()) -> Program:
-    """`program` with activation recompute (`Recompute`) on `stages` (default: all), before
-    its Orders: the schedule is unchanged, each backward rebuilds its activations first."""
-    return _insert(program, [Recompute(tuple(stages))])
+def with_recompute(program: Program, stages: Sequence[int] = (), policy: str = "full"
+                   ) -> Program:
+    """`program` with activation recompute (`Recompute`, by `policy`) on `stages` (default:
+    all), before its Orders: the schedule is unchanged, each backward rebuilds what its
+    forward did not keep first."""
+    return _insert(program, [Recompute(tuple(stages), policy)])
 
 
 def with_comm_stream(program: Program, zero: int = 0) -> Program:

@@ -24,6 +24,22 @@ A model file may define `TP_PLAN = {"blocks.*.fc": "colwise", "blocks.*.out": "r
                  each parameter enters through f, so its gradient is summed over the group
                  (Hugging Face's `replicated_with_grad_allreduce`)
 
+For models whose code reads the sequence length from a block's input (Hugging Face's
+attention views q by `hidden_states.shape`), sequence parallelism can gather at the blocks
+instead of at each column-parallel layer; these module styles do nothing without it:
+
+    sequence_block   an attention or MLP module holding split layers: its input is gathered
+                     whole on entry (backward: reduce-scatter) and its output
+                     reduce-scattered on exit, so its code sees the whole sequence and the
+                     split layers inside take no collective of their own
+    sequence_split   the first layer: its input, whole on every rank, is split (each rank
+                     keeps its 1/t of the sequence; backward: all-gather)
+    sequence_gather  the module after the last layer (a final norm): its input is gathered
+                     whole for the replicated code after it (backward: this rank's slice)
+
+With `sequence_split` in the plan, only the modules under the split layer's parent (the
+layer list) see 1/t of the tokens, so only their parameters' gradients are summed.
+
 A column-parallel layer followed by a row-parallel one needs no communication in between,
 so each MLP or attention block costs one all-reduce forward and one backward. Code between
 them sees the local width: write reshapes with -1 for the sharded dimension (heads), as
@@ -34,15 +50,27 @@ from __future__ import annotations
 
 import fnmatch
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from piper.collectives import TP_GROUP, sp_gather, sp_scatter, tp_copy, tp_gather, tp_reduce
+from piper.collectives import (
+    TP_GROUP,
+    sp_gather,
+    sp_gather_whole,
+    sp_scatter,
+    sp_split,
+    tp_copy,
+    tp_gather,
+    tp_reduce,
+)
 
-STYLES = ("colwise", "rowwise", "colwise_rep", "vocab", "sequence", "replicate")
+STYLES = ("colwise", "rowwise", "colwise_rep", "vocab", "sequence", "replicate",
+          "sequence_block", "sequence_split", "sequence_gather")
+MODULE_STYLES = ("replicate", "sequence_block", "sequence_split", "sequence_gather")
+"""Styles that name any module and split no weight."""
 ROW_SPLIT = ("colwise", "colwise_rep", "vocab")
 """Styles that keep a slice of the weight's rows (dim 0) on each rank."""
 
@@ -53,18 +81,19 @@ def parse_style(style: str) -> tuple[str, int]:
     if name not in STYLES or (parts and (not parts.isdigit() or int(parts) < 1)) or (
             parts and name != "colwise"):
         raise ValueError(f"unknown tensor-parallel style {style!r}; use colwise, colwise:K, "
-                         "rowwise, colwise_rep, vocab, sequence or replicate")
+                         "rowwise, colwise_rep, vocab, sequence, replicate, sequence_block, "
+                         "sequence_split or sequence_gather")
     return name, int(parts or 1)
 
 
 def plan_targets(plan: Iterable[tuple[str, str]], module_names: Iterable[str]
                  ) -> dict[str, tuple[str, int]]:
     """Module name -> (style, parts) for every module a glob of the plan names, of the
-    styles that split a Linear (`replicate` entries split nothing: see `replicated`)."""
+    styles that split a weight (`MODULE_STYLES` split nothing)."""
     names = list(module_names)
     out: dict[str, tuple[str, int]] = {}
     for pattern, style in plan:
-        if parse_style(style)[0] == "replicate":
+        if parse_style(style)[0] in MODULE_STYLES:
             continue
         hits = [n for n in names if fnmatch.fnmatchcase(n, pattern)]
         if not hits:
@@ -97,6 +126,8 @@ def _enter(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
     and v; SwiGLU's gate and up) share one f or gather, whose backward then all-reduces
     (reduce-scatters) their summed gradient once, as Megatron's fused QKV and FC1 do."""
     global _last_entry
+    if getattr(m, "sp_in_block", False):  # its block gathered the sequence already
+        return x
     key = (m.sequence_parallel, m.tp_degree)
     if _last_entry is not None and _last_entry[0]() is x and _last_entry[2:] == key:
         return _last_entry[1]
@@ -107,7 +138,10 @@ def _enter(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 def _leave(m: nn.Module, y: torch.Tensor) -> torch.Tensor:
     """Out of a row-parallel layer: g, or with sequence parallelism the reduce-scatter of
-    the partial sums over the sequence (each rank keeps 1/t of the tokens)."""
+    the partial sums over the sequence (each rank keeps 1/t of the tokens); inside a
+    `sequence_block`, nothing: the block reduce-scatters its output."""
+    if getattr(m, "sp_in_block", False):
+        return y
     if m.sequence_parallel:
         return sp_scatter(y, TP_GROUP, m.tp_degree)
     return tp_reduce(y, TP_GROUP)
@@ -235,24 +269,93 @@ def shard_linears(model: nn.Module, plan: Iterable[tuple[str, str]], degree: int
             if id(p) in sliced and p is sliced[id(p)][0]:
                 raise ValueError(f"{name}.{leaf} is tied to a tensor-parallel layer's weight; "
                                  "split every layer using it by rows (vocab, colwise_rep)")
-    replicated: set[str] = set()
-    for pattern, style in plan:
-        if parse_style(style)[0] != "replicate":
+    replicated = set(_module_style(plan, modules, "replicate"))
+    for n in replicated:
+        modules[n].__class__ = _replicated(type(modules[n]))
+    if sequence_parallel:
+        split = set(plan_targets(plan, modules))
+        _sequence_modules(plan, modules, split, degree)
+        # every other layer with parameters (norms, the row-parallel biases' owners are
+        # split already) that sees 1/t of the tokens: its gradients are partial sums
+        inside = _sequence_region(plan, modules)
+        for n, m in modules.items():
+            if (n not in split and n not in replicated and inside(n)
+                    and any(True for _ in m.parameters(recurse=False))):
+                m.__class__ = _replicated(type(m))
+
+
+def _module_style(plan: Iterable[tuple[str, str]], modules: dict[str, nn.Module], style: str
+                  ) -> list[str]:
+    """Names of the modules the plan's entries of (module) `style` match."""
+    out = []
+    for pattern, s in plan:
+        if parse_style(s)[0] != style:
             continue
         hits = [n for n in modules if fnmatch.fnmatchcase(n, pattern)]
         if not hits:
             raise ValueError(f"tensor-parallel plan entry {pattern!r} matches no module")
-        for n in hits:
-            modules[n].__class__ = _replicated(type(modules[n]))
-            replicated.add(n)
-    if sequence_parallel:
-        # every other layer with parameters (norms, the row-parallel biases' owners are
-        # split already) now sees 1/t of the tokens: its gradients are partial sums
-        split = set(plan_targets(plan, modules))
-        for n, m in modules.items():
-            if (n not in split and n not in replicated
-                    and any(True for _ in m.parameters(recurse=False))):
-                m.__class__ = _replicated(type(m))
+        out += [n for n in hits if n not in out]
+    return out
+
+
+def _sequence_modules(plan: Iterable[tuple[str, str]], modules: dict[str, nn.Module],
+                      split: set[str], degree: int) -> None:
+    """Sequence parallelism's module styles, in place (see the module docstring)."""
+    plan = list(plan)
+    for n in _module_style(plan, modules, "sequence_block"):
+        inner = [k for k in split if k.startswith(n + ".")]
+        for k in inner:
+            if modules[k].__class__ is RowwiseLinear and modules[k].bias is not None:
+                raise ValueError(f"{k}: a row-parallel bias inside a sequence_block would "
+                                 "be added on every rank before the block's reduce-scatter")
+            modules[k].sp_in_block = True
+        modules[n].__class__ = _entering(type(modules[n]), sp_gather, sp_scatter)
+        modules[n].tp_degree = degree
+    for style, op in (("sequence_split", sp_split), ("sequence_gather", sp_gather_whole)):
+        for n in _module_style(plan, modules, style):
+            modules[n].__class__ = _entering(type(modules[n]), op, None)
+            modules[n].tp_degree = degree
+
+
+def _sequence_region(plan: Iterable[tuple[str, str]], modules: dict[str, nn.Module]
+                     ) -> Callable[[str], bool]:
+    """Which modules see 1/t of the tokens under sequence parallelism: those under the
+    parent of a `sequence_split` module (the layer list), or without one every module."""
+    parents = {n.rpartition(".")[0] for n in _module_style(plan, modules, "sequence_split")}
+    if not parents:
+        return lambda name: True
+    return lambda name: any(name.startswith(p + ".") for p in parents)
+
+
+_ENTERING: dict[tuple[type, object, object], type] = {}
+
+
+def _entering(cls: type, enter: Callable[..., torch.Tensor],
+              leave: Callable[..., torch.Tensor] | None) -> type:
+    """`cls` whose forward passes its first tensor input (the first positional argument,
+    or `hidden_states`) through `enter(x, TP_GROUP, self.tp_degree)` and, with `leave`, its
+    output (or the output's first element) through `leave` likewise."""
+    key = (cls, enter, leave)
+    if key not in _ENTERING:
+        def forward(self: nn.Module, *args: object, **kwargs: object) -> object:
+            def into(x: torch.Tensor) -> torch.Tensor:
+                return enter(x, TP_GROUP, self.tp_degree)
+            if args:
+                args = (into(args[0]), *args[1:])  # type: ignore[arg-type]
+            else:
+                name = "hidden_states" if "hidden_states" in kwargs else next(
+                    k for k, v in kwargs.items() if isinstance(v, torch.Tensor))
+                kwargs = {**kwargs, name: into(kwargs[name])}  # type: ignore[arg-type]
+            out = cls.forward(self, *args, **kwargs)
+            if leave is None:
+                return out
+            if isinstance(out, torch.Tensor):
+                return leave(out, TP_GROUP, self.tp_degree)
+            first = leave(out[0], TP_GROUP, self.tp_degree)  # type: ignore[index]
+            return type(out)((first, *out[1:]))  # type: ignore[index, call-arg]
+
+        _ENTERING[key] = type(f"Sequence{cls.__name__}", (cls,), {"forward": forward})
+    return _ENTERING[key]
 
 
 _REPLICATED: dict[type, type] = {}

@@ -70,9 +70,10 @@ class PipelineSpace(SearchSpace):
     expert_regions: tuple[str, ...] = ()
     bad_shardings: tuple[tuple[int, int], ...] = ()
     """(tp, ep) pairs whose degrees each run alone but the model's code not together."""
-    recomputes: tuple[bool, ...] = (False,)
-    """Activation recompute off/on; (False, True) doubles the space (`planner.search.space` asks
-    for it in a real search)."""
+    recomputes: tuple[bool | str, ...] = (False,)
+    """Activation recompute: False (none), True (full) or a selective policy's name
+    (`piper.Recompute`); each choice multiplies the space (`planner.search.space` asks for
+    them in a real search)."""
     comm_streams: tuple[bool, ...] = (False,)
     """Gradient collectives on the compute stream / on their own (only with dp > 1)."""
     buckets: tuple[float, ...] = (0,)
@@ -154,7 +155,8 @@ class PipelineSpace(SearchSpace):
         schedule = self.flat_schedule
         feasible = set(_feasible_tuples(self))
         out = []
-        for again, more in itertools.product(self.recomputes, (0, 1)):
+        plain = [r for r in self.recomputes if r in (False, True)]  # without, and full
+        for again, more in itertools.product(plain, (0, 1)):
             for tp in tps:
                 counts = sorted((m for m in divisors(self.batch_size)
                                  if m <= self.max_microbatches
@@ -198,7 +200,7 @@ class PipelineSpace(SearchSpace):
             raise Infeasible(reason)
 
     def violation(self, *, pp: int, microbatches: int, schedule: str, zero: int = 0,
-                  tp: int = 1, ep: int = 1, recompute: bool = False,
+                  tp: int = 1, ep: int = 1, recompute: bool | str = False,
                   comm_stream: bool = False, bucket_mb: float = 0, sp: bool = False
                   ) -> str | None:
         """Why the point is not a valid strategy, or None; no Program is built (recompute
@@ -244,7 +246,7 @@ class PipelineSpace(SearchSpace):
         dp = self.gpus // (pp * tp)
         prog = schedules.build(sched, self.stages(pp * VIRTUAL.get(sched, 1)), microbatches=m,
                                dp=dp, pp=pp, zero=zero,
-                               recompute=bool(params.get("recompute", False)))
+                               recompute=params.get("recompute", False))
         prog = schedules.shard(prog, tp=tp, ep=ep, expert_regions=self.expert_regions,
                                sp=bool(params.get("sp", False)))
         if params.get("bucket_mb"):

@@ -193,7 +193,8 @@ def _shape(s: dict) -> str:
     if s["pp"] > 1:
         parts.append(s["schedule"] + (f" v{s['virtual_stages']}"
                                       if s["virtual_stages"] > 1 else ""))
-    parts.append(f"m{s['microbatches']}" + (" rc" if s.get("recompute") else ""))
+    rc = s.get("recompute")
+    parts.append(f"m{s['microbatches']}" + (" rc" if rc is True else f" rc:{rc}" if rc else ""))
     return " ".join(parts)
 
 

@@ -24,7 +24,8 @@ def summary_line(s: dict[str, Any]) -> str:
                 if s["schedule"] != NO_PIPELINE else "")
     return (f"dp={s['dp']} pp={s['pp']} tp={s['tp']}{' sp' if s.get('sp') else ''} "
             f"ep={s['ep']} zero={s['zero']} {schedule}mb={s['microbatches']}"
-            + (" recompute" if s["recompute"] else "")
+            + (" recompute" if s["recompute"] is True
+               else f" recompute={s['recompute']}" if s["recompute"] else "")
             + (" comm-stream" if s.get("comm_stream") else "")
             + (f" bucket={s['bucket_mb']:g}MiB" if s.get("bucket_mb") else ""))
 
@@ -49,8 +50,8 @@ def predicted_line(p: dict[str, Any]) -> str:
 
 def results_table(records: Sequence[TrialRecord], top: int = 10) -> str:
     """Best `top` distinct strategies by predicted step time, feasible first (`+`: rc
-    activation recompute, cs gradient collectives on a comm stream, sp sequence
-    parallelism, bN all-reduce buckets of N MiB)."""
+    full activation recompute, rc:attn or rc:op a selective policy, cs gradient collectives
+    on a comm stream, sp sequence parallelism, bN all-reduce buckets of N MiB)."""
     ranked = sorted(records, key=lambda r: (not r.feasible, r.predicted["step_time_s"], r.number))
     seen: set[str] = set()
     rows = []
@@ -60,14 +61,14 @@ def results_table(records: Sequence[TrialRecord], top: int = 10) -> str:
             seen.add(key)
             rows.append(r)
     head = (f"{'#':>4} {'dp':>4} {'pp':>3} {'tp':>2} {'ep':>2} {'zero':>4} {'mb':>4} "
-            f"{'schedule':<16} {'+':<9} {'step ms':>10} {'tokens/s':>12} {'MFU':>6} "
+            f"{'schedule':<16} {'+':<13} {'step ms':>10} {'tokens/s':>12} {'MFU':>6} "
             f"{'peak mem':>11} fits")
     lines = [head, "-" * len(head)]
     for r in rows:
         s, p = r.summary, r.predicted
         lines.append(f"{r.number:>4} {s['dp']:>4} {s['pp']:>3} {s['tp']:>2} {s['ep']:>2} "
                      f"{s['zero']:>4} {s['microbatches']:>4} "
-                     f"{s['schedule']:<16} {_options(s):<9} "
+                     f"{s['schedule']:<16} {_options(s):<13} "
                      f"{p['step_time_s'] * 1e3:>10.2f} "
                      f"{p['tokens_per_s']:>12,.0f} {p['mfu'] * 100:>5.1f}% "
                      f"{fmt_bytes(max(p['peak_memory_bytes'])):>11} "
@@ -76,10 +77,10 @@ def results_table(records: Sequence[TrialRecord], top: int = 10) -> str:
 
 
 def _options(s: dict[str, Any]) -> str:
-    """Short flags for the choices beside the degrees: rc recompute, cs comm stream, sp
-    sequence parallelism, bN buckets of N MiB."""
-    flags = [f for f, on in (("rc", s.get("recompute")), ("cs", s.get("comm_stream")),
-                             ("sp", s.get("sp"))) if on]
+    """Short flags for the choices beside the degrees (`results_table`)."""
+    rc = s.get("recompute")
+    flags = [f for f, on in (("rc" if rc in (True, None, False) else f"rc:{rc[:4]}", rc),
+                             ("cs", s.get("comm_stream")), ("sp", s.get("sp"))) if on]
     if s.get("bucket_mb"):
         flags.append(f"b{s['bucket_mb']:g}")
     return ",".join(flags) or "-"

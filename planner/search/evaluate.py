@@ -185,7 +185,8 @@ class Evaluator:
                 self._shardings[shards] = self.skeleton(program).sharding
             sharding = self._shardings[shards]
         costs = self.costs if sharding.trivial else self.sharded_costs(sharding)[0]
-        again = next((d.chosen(len(regions)) for d in ds if isinstance(d, Recompute)), ())
+        rc = next((d for d in ds if isinstance(d, Recompute)), None)
+        again = rc.chosen(len(regions)) if rc else ()
         orders = [d for d in ds if isinstance(d, Order)]
         dp, zero = (rep.degree, rep.zero) if rep else (1, 0)
         bucket = rep.bucket_bytes if rep else 0
@@ -195,7 +196,8 @@ class Evaluator:
             microbatch_size=program_microbatch_size(program, self.batch_size),
             recompute=frozenset(again), bucket_bytes=bucket,
             early=early_reduce_scatter_stages(orders, dp=dp, zero=zero, bucket_bytes=bucket,
-                                              moved=moved)))
+                                              moved=moved),
+            policy=rc.policy if rc else "full"))
 
     def _plan(self, program: Program) -> Plan:
         """The simulation view of `program`'s Plan: one replica of each kind, so its cost

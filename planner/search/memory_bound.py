@@ -36,15 +36,17 @@ def early_reduce_scatter_stages(orders: Sequence[Order], *, dp: int, zero: int,
 def device_peaks(stage_regions: Sequence[Sequence[str]], stage_device: Sequence[int],
                  orders: Sequence[Order], *, dp: int, zero: int, costs: ModelCosts,
                  microbatch_size: int, recompute: Collection[int] = (),
-                 bucket_bytes: int = 0, early: Collection[int] = ()) -> list[int]:
+                 bucket_bytes: int = 0, early: Collection[int] = (), policy: str = "full"
+                 ) -> list[int]:
     """Per pipeline device: model state at its ZeRO stage, plus the most activations its
     Order keeps alive at once (plus ZeRO-3's gathered parameters and ZeRO-2/3's full
     gradient, or two units of it on `early` stages, while a chunk or backward runs), in
-    bytes. Stages in `recompute` keep their regions' inputs and rebuild one region at a
-    time: the account of `StageMemory`, which the simulated peak keeps too."""
+    bytes. Stages in `recompute` keep what `policy` keeps (full: their regions' inputs,
+    one region rebuilt at a time): the account of `StageMemory`, which the simulated peak
+    keeps too."""
     paired = any("+" in name for o in orders for name in o.names)
     mem = StageMemory.of(stage_regions, costs, microbatch_size, zero, recompute,
-                         bucket_bytes, early, paired)
+                         bucket_bytes, early, paired, policy)
     per_param = zero_bytes_per_param(costs.element_size, zero, dp, costs.optimizer_bytes)
     order_of = {o.device: o.names for o in orders}  # a pair: its forward first
     peaks = []

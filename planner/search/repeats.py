@@ -367,6 +367,12 @@ def _renamed_module(name: str, bl: _Blocks) -> list[str]:
     return [f"{fqn}.{k}{rest}" for k in ([0] if c == 0 else range(1, bl.length))]
 
 
+def _keyed(value: object) -> bool:
+    return bool(value) and isinstance(value, tuple) and all(
+        isinstance(v, tuple) and len(v) == 2 and isinstance(v[0], str)
+        and isinstance(v[1], tuple) for v in value)
+
+
 def _per_region(obj: T, source: Sequence[int], traced: int,
                 names: tuple[str, ...] | None = None) -> T:
     """`obj` (a dataclass of per-region tuples) for the grown regions: every tuple field that
@@ -378,6 +384,9 @@ def _per_region(obj: T, source: Sequence[int], traced: int,
         value = getattr(obj, f.name)
         if f.name == "regions" and names is not None:
             changes[f.name] = names
+        elif _keyed(value):  # (name, per-region tuple) pairs: ModelCosts.selective_bytes
+            changes[f.name] = tuple((k, tuple(v[i] for i in source) if len(v) == traced
+                                     else v) for k, v in value)
         elif isinstance(value, tuple) and len(value) == traced:
             changes[f.name] = tuple(value[i] for i in source)
     return dataclasses.replace(obj, **changes)  # type: ignore[type-var]

@@ -23,13 +23,19 @@ BUCKETS_MB = (0, 25, 100)
 they are its units (FSDP's), whose reduce-scatters start inside the backward."""
 
 
+RECOMPUTES = (False, True, "attention", "op")
+"""Recompute choices a search tries: none, full, and the selective policies
+(`piper.Recompute`)."""
+
+
 def search_space(evaluator: Evaluator, gpus_per_node: int) -> tuple[PipelineSpace, list[str]]:
-    """The viable default space, with and without activation recompute and a comm stream,
+    """The viable default space, without activation recompute and with each policy of it
+    (`RECOMPUTES`), with and without a comm stream,
     with one collective per stage or in buckets (`BUCKETS_MB`), and a line per
     degree left out (with the reason)."""
     ev = evaluator
     space = model_space(ev.graph, ev.region_costs(), ev.gpus, ev.batch_size, gpus_per_node)
-    return viable(dataclasses.replace(space, recomputes=(False, True),
+    return viable(dataclasses.replace(space, recomputes=RECOMPUTES,
                                       comm_streams=(False, True), buckets=BUCKETS_MB,
                                       sps=(False, True)), ev)
 

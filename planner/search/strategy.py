@@ -61,7 +61,7 @@ def shorthand_program(args: argparse.Namespace, gpus: int, regions: tuple[str, .
     try:
         prog = schedules.build(schedule, stages, microbatches=m, dp=dp, pp=pp,
                                zero=args.zero or 0,
-                               recompute=bool(getattr(args, "recompute", False)))
+                               recompute=getattr(args, "recompute", None) or False)
     except ValueError as e:
         raise PiperError(str(e)) from None
     sp = bool(getattr(args, "sp", False))
@@ -105,7 +105,11 @@ def add_shorthand_flags(p: argparse.ArgumentParser) -> None:
                    help="data-parallel collectives in buckets of at most MIB MiB (dp > 1): "
                    "all-reduces started during the last backward (DDP's bucket_cap_mb), or "
                    "with --zero the units ZeRO shards, gathers and reduce-scatters (FSDP's)")
-    g.add_argument("--recompute", action="store_true", default=False,
-                   help="activation recompute on every stage: keep each region's inputs, "
-                   "rebuild its activations in backward (less memory, about one more "
-                   "forward per backward)")
+    g.add_argument("--recompute", nargs="?", const="full", default=None,
+                   choices=["full", "attention", "selective", "op"], metavar="POLICY",
+                   help="activation recompute on every stage. full (the default): keep "
+                   "each region's inputs, rebuild its activations in backward (least "
+                   "memory, about one more forward per backward); attention (alias "
+                   "selective, Megatron's): recompute each attention op; op: recompute "
+                   "the cheap ops between matmuls where that frees memory (norms, "
+                   "activations: what fused kernels keep)")

@@ -149,8 +149,8 @@ class RankExecutor(ChunkMath, Checkpointing):
                 self.optim[s] = make_optimizer(spec, self.params[s], train)
             if s in self.split:
                 sm = deferring(sm)
-            if s in plan.recompute:  # regions keep their inputs, rebuilt in backward
-                sm = recomputing(sm, node_region)
+            if s in plan.recompute:  # keep less (by the policy), rebuild in backward
+                sm = recomputing(sm, node_region, plan.recompute_policy)
             self.stages[s] = sm
         for key, ps in self.params.items():
             if isinstance(key, tuple):

@@ -1,10 +1,12 @@
-"""Activation recompute of a stage module: one `torch.utils.checkpoint` per region.
+"""Activation recompute of a stage module: `torch.utils.checkpoint` per region or segment.
 
-A recomputed stage (`piper.Recompute`) runs each of its regions (each run of one region's ops,
-in graph order) under non-reentrant checkpointing: the forward keeps only what enters the
-region, and the backward re-runs the region's forward when it first needs one of its saved
-tensors. That is Megatron's full recompute, layer by layer, and what the cost models price
-(`cost_models.saved`: a region's inputs kept, one region's activations rebuilt at a time).
+A recomputed stage (`piper.Recompute`, policy `full`) runs each of its regions (each run of
+one region's ops, in graph order) under non-reentrant checkpointing: the forward keeps only
+what enters the region, and the backward re-runs the region's forward when it first needs
+one of its saved tensors. That is Megatron's full recompute, layer by layer, and what the
+cost models price (`cost_models.saved`: a region's inputs kept, one region's activations
+rebuilt at a time). The selective policies (`attention`, `op`) checkpoint the segments
+`runtime.execute.selective` picks instead, each on its own, and nothing else.
 
 It composes with the rest of the runtime because the backward still walks the nodes the
 first forward made; the recompute only refills their saved tensors:
@@ -29,6 +31,7 @@ from torch.fx.passes.split_module import split_module
 from torch.utils.checkpoint import checkpoint
 
 from runtime.execute.memory import keep_inputs
+from runtime.execute.selective import segments
 from runtime.execute.stage_module import StageModule
 from runtime.execute.weight_grad import collecting, current_store
 
@@ -50,10 +53,15 @@ class _Checkpointed(torch.nn.Module):
         return checkpoint(self.part, *args, use_reentrant=False, context_fn=contexts)
 
 
-def recomputing(sm: StageModule, node_region: Mapping[str, int]) -> StageModule:
-    """`sm` with every region's ops checkpointed on their own (`node_region`: the capture's
-    op name -> region). A region split by another's ops counts as two, so the parts always
-    follow the graph's order."""
+def recomputing(sm: StageModule, node_region: Mapping[str, int], policy: str = "full"
+                ) -> StageModule:
+    """`sm` recomputing by `policy` (`piper.directives.recompute.POLICIES`; `node_region`:
+    the capture's op name -> region). Under `full` every region's ops are checkpointed on
+    their own; a region split by another's ops counts as two, so the parts always follow the
+    graph's order."""
+    if policy != "full":
+        kinds = [kind for kind, _ in sm.inputs]
+        return checkpointing(sm, segments(sm.module, node_region, kinds, policy))
     run, last, part = {}, None, -1
     for n in sm.module.graph.nodes:
         if n.op == "call_function":
@@ -66,4 +74,26 @@ def recomputing(sm: StageModule, node_region: Mapping[str, int]) -> StageModule:
     gm = split_module(sm.module, None, lambda n: run[n.name], keep_original_order=True)
     for name, child in list(gm.named_children()):
         setattr(gm, name, _Checkpointed(child))
+    return replace(sm, module=gm)
+
+
+def checkpointing(sm: StageModule, picked: list[list[torch.fx.Node]]) -> StageModule:
+    """`sm` with each of the segments `picked` (consecutive nodes) checkpointed on its own."""
+    if not picked:
+        return sm
+    segment = {n.name: i for i, seg in enumerate(picked) for n in seg}
+    part, last, ids, checkpointed = -1, None, {}, set()
+    for n in sm.module.graph.nodes:
+        if n.op != "call_function":
+            continue
+        key = segment.get(n.name, -1)
+        if key != last:
+            part, last = part + 1, key
+            if key >= 0:
+                checkpointed.add(part)
+        ids[n.name] = part
+    gm = split_module(sm.module, None, lambda n: ids[n.name], keep_original_order=True)
+    for name, child in list(gm.named_children()):
+        if int(name.rsplit("_", 1)[1]) in checkpointed:
+            setattr(gm, name, _Checkpointed(child))
     return replace(sm, module=gm)

@@ -84,6 +84,7 @@ class Plan:
     ties: tuple[tuple[tuple[str, ...], tuple[int, ...]], ...] = ()  # (params, stages) tied
     sharding: ModelSharding = field(default_factory=ModelSharding)  # tensor / expert parallelism inside chunks
     recompute: tuple[int, ...] = ()  # stages whose backward rebuilds their activations
+    recompute_policy: str = "full"  # what they keep: full, attention or op (`piper.Recompute`)
 
     @property
     def mesh(self) -> Mesh:

@@ -127,6 +127,7 @@ def schedule(dag: TrainingDAG, *, check: bool = True) -> Plan:
         ties=tuple(ties),
         sharding=dag.sharding,
         recompute=dag.recompute,
+        recompute_policy=dag.recompute_policy,
     )
     if check:
         dry_run(plan)

@@ -165,3 +165,32 @@ def test_transfer_uses_the_inter_node_link_only_across_nodes(
     lat, bw = (1e-5, 1e8) if inter else (1e-6, 1e9)
     tc = task_costs(plan, costs, c, microbatch_size=3)
     assert tc.transfer(0, send) == pytest.approx(p2p_time(nbytes, latency=lat, bandwidth=bw))
+
+
+def test_pricing_a_long_sequence_allocates_nothing_of_its_size(tmp_path) -> None:
+    """Hugging Face's Llama builds a sequence x sequence causal mask; capture traces it on
+    fake tensors, and the cost models must replay it on meta too (at 131,072 tokens a real
+    one is 16 GiB of bools, 64 GiB in fp32). Peak host memory, in a fresh process."""
+    import json
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+    from tests.hf_models import LLAMA_31_8B
+
+    (tmp_path / "config.json").write_text(json.dumps({**LLAMA_31_8B, "num_hidden_layers": 2}))
+    code = f"""
+import resource, sys
+sys.path.insert(0, {str(ROOT)!r})
+import piper
+from cost_models import model_costs
+from piper.hf import load_hf_model
+spec = load_hf_model({str(tmp_path / "config.json")!r}, seq_len=131072)
+costs = model_costs(piper.capture(spec, 1))
+assert sum(costs.forward_flops) > 0 and max(costs.activation_bytes) > 2 ** 30
+print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300, check=True)
+    peak_kib = int(out.stdout.split()[-1])
+    assert peak_kib < 2 * 2 ** 20, f"{peak_kib / 2**20:.1f} GiB of host memory"

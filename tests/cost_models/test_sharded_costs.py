@@ -146,3 +146,27 @@ def test_sequence_parallel_scatters_and_gathers_and_shrinks_what_crosses_stages(
     # and the simulator prices each message at what a rank sends: half the sequence
     share = ev._slice(runs[1].plan.sharding)[2]
     assert set(share.values()) == {0.5}
+
+
+def test_hugging_face_sequence_parallelism_gathers_at_blocks_and_splits_once(tmp_path) -> None:
+    """Unmodified Hugging Face attention under tp2 + SP: one gather into each attention and
+    MLP block and one reduce-scatter out (Megatron's count), the sequence split at the first
+    layer (gathered back in its backward) and gathered whole before the final norm."""
+    from piper.hf import load_hf_model
+    from tests.hf_models import write_config
+
+    spec = load_hf_model(write_config(tmp_path / "llama", "llama"))
+    cap = piper.capture(spec, 1, ModelSharding(tp=2, tp_plan=spec.tp_plan, sp=True))
+    traffic = in_graph_comm(cap)
+    names = cap.graph.names
+    seq, dim = dict(spec.options)["seq_len"], 32
+    whole = seq * dim * 4  # one sample, fp32
+    layers = [i for i, n in enumerate(names) if n.startswith("layer.")]
+    assert all(traffic.sequence_gather[r] == (whole, whole) for r in layers)
+    assert all(traffic.sequence_scatter[r] == (whole, whole) for r in layers)
+    assert all(traffic.sequence_regather[r] == (whole, whole) for r in layers), \
+        "q, k, v (and gate, up) keep the slice and gather it once again in backward"
+    assert traffic.sequence_split[layers[0]] == (whole,)
+    assert not any(traffic.sequence_split[r] for r in layers[1:])
+    head = names.index("head")
+    assert traffic.forward_all_gather[head] == (whole,)

@@ -69,11 +69,25 @@ def test_program_with_recompute_round_trips_through_json_and_python(
 
 
 def test_recompute_of_chosen_stages_round_trips_and_reads_plainly() -> None:
-    for d in (Recompute(), Recompute((0, 2))):
+    for d in (Recompute(), Recompute((0, 2)), Recompute(policy="op"),
+              Recompute((1,), policy="attention")):
         assert eval(d.to_python(), {"Recompute": Recompute}) == d
         assert Program.from_json(Program([d]).to_json()).directives == (d,)
     assert Recompute().to_python() == "Recompute()"
-    assert Recompute([1]).to_dict() == {"type": "Recompute", "stages": [1]}
+    assert Recompute(policy="op").to_python() == "Recompute(policy='op')"
+    assert Recompute([1]).to_dict() == {"type": "Recompute", "stages": [1], "policy": "full"}
+
+
+def test_recompute_policy_names_megatrons_alias_and_refuses_unknown_ones(
+        dag0: TrainingDAG) -> None:
+    assert Recompute(policy="selective").policy == "attention"
+    with pytest.raises(ValueError, match="unknown recompute policy 'fast'"):
+        Recompute(policy="fast")
+    prog = schedules.build("1f1b", STAGES[2], microbatches=2, pp=2, recompute="op")
+    assert prog.apply(dag0).recompute_policy == "op"
+    assert prog.summary()["recompute"] == "op"
+    assert schedules.build("1f1b", STAGES[2], microbatches=2, pp=2,
+                           recompute=True).summary()["recompute"] is True
 
 
 def test_recompute_of_a_missing_stage_raises_naming_it(dag0: TrainingDAG) -> None:

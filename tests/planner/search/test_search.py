@@ -151,7 +151,7 @@ def test_grid_sampler_covers_the_space(tmp_path, capsys):
 
 
 def _key(params: dict) -> tuple:
-    return tuple(sorted(params.items()))
+    return tuple(sorted((k, repr(v)) for k, v in params.items()))  # recompute: bool or str
 
 
 def test_memory_infeasible_search_exits_1(tmp_path, capsys):

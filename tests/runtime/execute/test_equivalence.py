@@ -70,6 +70,12 @@ CASES = {
                                 "--microbatches", "2", "--recompute"],
     "recompute_tp2_sp": ["--gpus", "2", "--tp", "2", "--sp", "--microbatches", "2",
                          "--recompute"],
+    # selective recompute (the Llama: RMSNorm, rotary embeddings, SwiGLU): runs of cheap
+    # ops, or each attention op, checkpointed on their own
+    "llama_recompute_op_pp2_dp2_zero3": ["--gpus", "4", "--pp", "2", "--dp", "2", "--zero",
+                                         "3", "--microbatches", "2", "--recompute", "op"],
+    "llama_recompute_attention_tp2_sp": ["--gpus", "2", "--tp", "2", "--sp",
+                                         "--microbatches", "2", "--recompute", "attention"],
     # tensor parallelism (examples/gpt.py's TP_PLAN: Megatron column/row pairs)
     # + sequence parallelism: a learned position table split by the sequence
     "tp2_sp_pp2_1f1b": ["--gpus", "4", "--tp", "2", "--sp", "--pp", "2", "--microbatches",
@@ -111,7 +117,8 @@ MOE = [str(ROOT / "examples" / "moe.py"), *TINY]
 # cases on another model: [model file, --model-arg, KEY=VALUE, ...]
 OTHER_MODEL = {
     **{case: MOE for case in CASES if case.startswith("moe_")},
-    "llama_tp2_sp_pp2": [str(ROOT / "examples" / "llama.py"), *TINY],
+    **{case: [str(ROOT / "examples" / "llama.py"), *TINY] for case in CASES
+       if case.startswith("llama_")},
     "qwen3_tied_tp2_sp_dp2_zero3": [str(ROOT / "examples" / "llama.py"), "--model-arg",
                                     "size=qwen3-tiny"],
     "qwen3_tied_tp2_pp2": [str(ROOT / "examples" / "llama.py"), "--model-arg",

@@ -31,10 +31,15 @@ MORE = {
                           "--recompute"],
     "dp2_buckets_comm_stream": ["--gpus", "2", "--dp", "2", "--microbatches", "2",
                                 "--bucket-mb", "0.001", "--comm-stream"],
+    # sequence parallelism on unmodified attention: gathered at the attention and MLP
+    # modules, split at the first layer, whole again at the final norm
+    "tp2_sp_pp2": ["--gpus", "4", "--tp", "2", "--sp", "--pp", "2", "--microbatches", "2"],
 }
 # tensor parallelism from the config's own base_model_tp_plan: GPT-2 declares none
 CASES = [(f, s) for f in sorted(FAMILIES) for s in STRATEGIES
-         if not (s == "tp2" and f == "gpt2")] + [("qwen3", s) for s in MORE]
+         if not (s == "tp2" and f == "gpt2")] + [("qwen3", s) for s in MORE] + [
+    ("llama", "tp2_sp")]
+MORE["tp2_sp"] = ["--gpus", "2", "--tp", "2", "--sp", "--microbatches", "2"]
 STRATEGIES.update(MORE)
 
 

@@ -89,6 +89,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run the K best predicted strategies for real and re-rank them")
     s.add_argument("--device", choices=["cpu", "cuda"], help="where --measure runs")
     s.add_argument("--out", default="piper_plan_out", help="output folder")
+    s.add_argument("--to", action="append", choices=["torchtitan", "megatron", "deepspeed"],
+                   metavar="FRAMEWORK", help="also write the best strategy as FRAMEWORK's "
+                   "config beside best_strategy.py: torchtitan (best_torchtitan.toml), "
+                   "megatron (best_megatron.args), deepspeed (best_deepspeed.json); "
+                   "repeatable")
 
     r = model_cmd("run", "train a strategy for real on Ray workers")
     r.add_argument("--strategy", help="strategy file (.py with strategy() or .json)")
@@ -113,6 +118,10 @@ def build_parser() -> argparse.ArgumentParser:
     m = model_cmd("simulate", "predict step time and memory of a strategy")
     m.add_argument("--precision", choices=PRECISIONS, help=planned)
     m.add_argument("--strategy", help="strategy file (.py with strategy() or .json)")
+    m.add_argument("--from", dest="from_", nargs=2, metavar=("FRAMEWORK", "CONFIG"),
+                   help="simulate what a framework's config runs: torchtitan JOB.toml, or "
+                   "megatron \"ARGS\" (or a file holding them); the global batch is the "
+                   "config's unless --batch-size is given")
     add_shorthand_flags(m)
     m.add_argument("--cluster", help=f"catalog name or TOML file (default {DEFAULT_CLUSTER})")
     m.add_argument("--trace", help="write the predicted timeline as a Perfetto trace")
@@ -136,7 +145,11 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--study-name", default="piper-plan")
     x.add_argument("--trial", type=int, help="trial number (default: the best)")
     x.add_argument("--out", required=True, metavar="FILE",
-                   help="strategy to write: .py (script) or .json")
+                   help="strategy to write: .py (script) or .json; with --to, the "
+                   "framework's config")
+    x.add_argument("--to", choices=["torchtitan", "megatron", "deepspeed"],
+                   metavar="FRAMEWORK", help="write the strategy as a torchtitan job TOML, "
+                   "Megatron-LM arguments or a DeepSpeed config (docs/frameworks.md)")
 
     e = sub.add_parser("export-weights", help="write a checkpoint's model as one "
                        "single-device state dict")

@@ -65,6 +65,45 @@ def with_gpus_per_node(cluster: Any, per_node: int | None) -> Any:
     return dataclasses.replace(cluster, gpus_per_node=per_node)
 
 
+SHORTHAND = ("pp", "dp", "tp", "ep", "schedule", "microbatches", "recompute", "comm_stream",
+             "bucket_mb", "sp", "zero", "virtual_stages")
+
+
+def apply_from(args: argparse.Namespace) -> None:
+    """`--from FRAMEWORK CONFIG`: the config's layout as the shorthand flags (and its global
+    batch, unless --batch-size is given); a line for what was read as the nearest choice."""
+    from planner.report.frameworks.readback import READERS
+
+    framework, source = args.from_
+    if framework not in READERS:
+        raise PiperError(f"--from {framework}: read back are {', '.join(sorted(READERS))}")
+    given = [f for f in SHORTHAND if getattr(args, f, None)] + (
+        ["strategy"] if args.strategy else [])
+    if given:
+        raise PiperError(f"--from and --{given[0].replace('_', '-')} are mutually exclusive")
+    fields, notes = READERS[framework](source, args.gpus)
+    for note in notes:
+        log(f"{framework}: {note}")
+    for k, v in fields.items():
+        if k == "batch_size":
+            args.batch_size = args.batch_size or v
+        elif k != "unit_per_layer":
+            setattr(args, k, v)
+    args.unit_per_layer = fields.get("unit_per_layer", False)
+    if args.virtual_stages == 1:
+        args.virtual_stages = None
+
+
+def layer_units_mb(ev: Any, tp: int) -> float:
+    """MiB of one transformer block's fp32 parameters on a rank (an FSDP unit per block, as
+    torchtitan and Megatron's FSDP2 wrap): the largest `layer.N` region's (else the
+    largest region's)."""
+    costs = ev.costs
+    layers = [p for r, p in zip(costs.regions, costs.params, strict=True)
+              if r.startswith("layer.")] or list(costs.params)
+    return 4 * max(layers) / tp / 2**20
+
+
 def program_of(args: argparse.Namespace, ev: Any) -> Any:
     from piper.program import Program
     from planner.search.strategy import shorthand_program

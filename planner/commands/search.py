@@ -130,6 +130,19 @@ def search(args: argparse.Namespace) -> int:
     b = result.best
     files.update(write_figures(out, best_eval, result, memory_limit_bytes=cluster.memory_bytes,
                                stands_for=stands_for(best_eval.plan, cluster)))
+    for target in dict.fromkeys(args.to or ()):  # the best as the frameworks' configs
+        from planner.report.frameworks import SUFFIX, write_config
+
+        path = out / f"best_{target}{SUFFIX[target]}"
+        try:
+            done = write_config(target, path, b.program, b.summary, batch, args.gpus, spec,
+                                ev.precision)
+        except PiperError as e:  # the search stands; the target cannot run its pick
+            log(f"warning: --to {target}: {e}")
+            continue
+        files[f"{target}_config"] = path
+        for note in done.notes:
+            log(f"{target}: {note}")
     left = unused(b.summary)
     parts = ev.memory_parts(best_eval)
     top = max(range(len(parts)), key=lambda i: parts[i].total)

@@ -8,6 +8,8 @@ from typing import Any
 
 from planner.commands.common import (
     EXIT_OK,
+    apply_from,
+    layer_units_mb,
     batch_of,
     cluster_of,
     emit,
@@ -25,10 +27,14 @@ def simulate(args: argparse.Namespace) -> int:
     from planner.search.evaluate import Evaluator
 
     spec = spec_of(args)
+    if args.from_:
+        apply_from(args)
     cluster, _ = cluster_of(args, announce=False)
     ev = Evaluator(spec, args.gpus, batch_of(args, spec), cluster,
                    precision=planned_precision(args, cluster))
     tell_regions(ev)
+    if getattr(args, "unit_per_layer", False):  # --from torchtitan: FSDP unit per block
+        args.bucket_mb = layer_units_mb(ev, args.tp)
     result = ev.evaluate(program_of(args, ev))
     pred = predicted_json(result.prediction)
     if args.trace:

@@ -24,7 +24,15 @@ def export(args: argparse.Namespace) -> int:
     from planner.report.studies import load
     from planner.report.tables import predicted_line, summary_line
 
-    path, rec = export_trial(load(args.storage, args.study_name), args.trial, args.out)
+    from planner.report.studies import export_to
+
+    study = load(args.storage, args.study_name)
+    if args.to:
+        path, rec, notes = export_to(study, args.trial, args.to, args.out)
+        for note in notes:
+            log(f"{args.to}: {note}")
+    else:
+        path, rec = export_trial(study, args.trial, args.out)
     log(f"wrote {path}: trial {rec.number}: {summary_line(rec.summary)}\n"
         f"      {predicted_line(rec.predicted)}")
     return EXIT_OK

@@ -127,6 +127,28 @@ def chosen(study: optuna.Study, trial: int | None) -> TrialRecord:
     return record(t)
 
 
+def export_to(study: optuna.Study, trial: int | None, target: str, out: str
+              ) -> tuple[Path, TrialRecord, tuple[str, ...]]:
+    """Write the chosen trial as `target`'s config (`planner.report.frameworks`); returns
+    the file, the trial and the notes on what the target could not express as found."""
+    from piper.loading import load_model
+    from planner.report.frameworks import write_config
+
+    rec = chosen(study, trial)
+    a = study.user_attrs
+    try:  # the model's shape picks the target's own model definition
+        spec = load_model(a.get("model_path") or a["model"],
+                          tuple(tuple(x) for x in a.get("model_args", [])),
+                          tuple(tuple(x) for x in a.get("options", [])))
+    except (PiperError, OSError, KeyError) as e:
+        raise PiperError(f"--to {target}: the study's model cannot be read to name the "
+                         f"target's model ({e})") from None
+    path = Path(out)
+    done = write_config(target, path, rec.program, rec.summary, a["batch_size"], a["gpus"],
+                        spec, a.get("precision", "bf16-mixed"))
+    return path, rec, done.notes
+
+
 def export(study: optuna.Study, trial: int | None, out: str) -> tuple[Path, TrialRecord]:
     """Write the chosen trial's Program to `out` (.py script with a header, or .json)."""
     from planner.report.export import strategy_header, strategy_json

@@ -236,6 +236,7 @@ def describe(study: optuna.Study, evaluator: Evaluator) -> None:
     spec = evaluator.spec
     about = {"model": spec.path, "model_path": spec.source[0],
              "model_args": [list(a) for a in spec.model_args],
+             "options": [list(a) for a in spec.options],
              "gpus": evaluator.gpus, "batch_size": evaluator.batch_size,
              "cluster": evaluator.cluster.name, "precision": evaluator.precision,
              "memory_bytes": evaluator.cluster.memory_bytes}

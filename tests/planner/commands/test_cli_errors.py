@@ -274,13 +274,12 @@ def test_console_script_prints_one_line_and_no_traceback(tmp_path, model):
 
 
 def test_a_split_the_model_cannot_run_says_what_it_asks_not_a_guess(tmp_path, capsys):
-    """Llama's heads divide by 2; what fails under --sp is its attention on 1/tp of the
-    sequence, and the message says so and where (not "heads not divisible")."""
-    from tests.hf_models import write_config
-
-    folder = write_config(tmp_path / "llama", "llama")
-    assert main(["simulate", str(folder), "--gpus", "2", "--tp", "2", "--sp"]) == 2
+    """The tiny MoE's heads divide by 2; what fails under --sp is its attention, which
+    reshapes by its input's length on 1/tp of the sequence (its plan has no sequence_block),
+    and the message says so and where (not "heads not divisible")."""
+    assert main(["simulate", MOE, "--model-arg", "size=tiny", "--gpus", "2", "--tp", "2",
+                 "--sp"]) == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert "heads not divisible" not in err
     assert "sequence parallelism runs the code between tensor-parallel layers on 1/tp" in err
-    assert "in module model.layers.0.self_attn" in err
+    assert "in module attn.0.proj" in err

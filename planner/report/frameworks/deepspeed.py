@@ -1,0 +1,61 @@
+"""A strategy as a DeepSpeed config (`deepspeed.runtime.config.DeepSpeedConfig`'s JSON).
+
+train_batch_size = train_micro_batch_size_per_gpu x gradient_accumulation_steps x the
+data-parallel size, which DeepSpeed checks; zero_optimization.stage with its buckets
+(reduce_bucket_size, bytes) and overlap_comm; bf16; gradient_clipping. A pipeline is
+DeepSpeed's `PipelineModule(layers, num_stages=pp)` in the training script (the launch
+note says so): its engine runs one schedule (1F1B-like), and only ZeRO stages 0-1 beside
+it. DeepSpeed's engine has no tensor parallelism of its own.
+"""
+
+from __future__ import annotations
+
+import json
+
+from piper.errors import PiperError
+from planner.report.frameworks.layout import Exported, Layout
+
+
+def deepspeed_config(lay: Layout) -> Exported:
+    notes: list[str] = []
+    if lay.tp > 1 or lay.ep > 1:
+        raise PiperError(f"tp {lay.tp} ep {lay.ep}: DeepSpeed's engine has no tensor or "
+                         "expert parallelism of its own (Megatron-DeepSpeed adds it): "
+                         "export with --to megatron, or search without tensor parallelism")
+    zero = lay.zero
+    if lay.pp > 1:
+        if zero > 1:
+            notes.append(f"zero {zero} with a pipeline: DeepSpeed's pipeline engine runs "
+                         "ZeRO 0-1 only; nearest: 1")
+            zero = 1
+        if lay.schedule != "1f1b":
+            notes.append(f"schedule {lay.schedule}: DeepSpeed's pipeline engine runs its own "
+                         "1F1B-like TrainSchedule; nearest: that")
+        if len(lay.stage_layers) != lay.pp:
+            raise PiperError(f"{len(lay.stage_layers)} stages on {lay.pp} pipeline ranks: "
+                             "DeepSpeed's PipelineModule puts one stage on each")
+        notes.append(f"pipeline: build the model as PipelineModule(layers, num_stages="
+                     f"{lay.pp}) with the layer split {list(lay.stage_layers)} (its "
+                     "partition_method='type:...' or your own split)")
+    if lay.recompute:
+        notes.append("recompute: DeepSpeed's activation checkpointing is the model's own "
+                     "(deepspeed.checkpointing.checkpoint around each layer); "
+                     + ("a selective policy is not expressible: full" if lay.recompute
+                        is not True else "full"))
+    zero_cfg: dict = {"stage": zero, "overlap_comm": bool(lay.comm_stream or zero == 3),
+                      "contiguous_gradients": True}
+    if lay.bucket_mb:
+        size = int(lay.bucket_mb * 2**20)
+        zero_cfg.update(reduce_bucket_size=size, allgather_bucket_size=size)
+    config = {
+        "train_batch_size": lay.global_batch,
+        "train_micro_batch_size_per_gpu": lay.microbatch_size,
+        "gradient_accumulation_steps": lay.microbatches,
+        "gradient_clipping": 1.0,
+        "bf16": {"enabled": lay.precision != "fp32"},
+        "zero_optimization": zero_cfg,
+    }
+    nodes = max(1, lay.gpus // 8)
+    notes.append(f"launch: deepspeed --num_nodes {nodes} --num_gpus {min(lay.gpus, 8)} "
+                 "train.py --deepspeed --deepspeed_config THIS_FILE")
+    return Exported(json.dumps(config, indent=2) + "\n", tuple(notes))

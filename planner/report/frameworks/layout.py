@@ -1,0 +1,129 @@
+"""A found strategy as the frameworks' configs see it: degrees, batch arithmetic, the stage
+split in layers, and the model's shape and family (to pick the target's own model).
+
+Everything here comes from a search's record (the Program and its summary) and the model
+file or Hugging Face config the study names; the writers (`torchtitan`, `megatron`,
+`deepspeed`) only format it, and say what their target cannot express.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from piper.directives import Place
+from piper.model_file import ModelSpec
+from piper.program import Program
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What a target's own model definition needs: `family` (llama, qwen3, gpt, or None:
+    not one the targets define) and its dims (0: unknown)."""
+
+    family: str | None = None
+    layers: int = 0
+    dim: int = 0
+    heads: int = 0
+    kv_heads: int = 0
+    ffn: int = 0
+    vocab: int = 0
+    seq: int = 0
+    tied: bool = False
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A strategy in the terms every framework uses."""
+
+    gpus: int
+    dp: int
+    pp: int
+    tp: int
+    sp: bool
+    ep: int
+    zero: int
+    schedule: str
+    virtual_stages: int
+    microbatches: int
+    """Microbatches per data-parallel replica per step (gradient accumulation at pp=1)."""
+    global_batch: int
+    recompute: bool | str
+    comm_stream: bool
+    bucket_mb: float | None
+    precision: str
+    stage_layers: tuple[int, ...]
+    """Transformer layers per stage, in stage order (chunks of a device interleaved)."""
+    stage_regions: tuple[tuple[str, ...], ...]
+    model: ModelShape
+
+    @property
+    def microbatch_size(self) -> int:
+        return self.global_batch // (self.dp * self.microbatches)
+
+    @property
+    def local_batch(self) -> int:
+        """Samples per data-parallel replica per step."""
+        return self.global_batch // self.dp
+
+
+def layout(program: Program, summary: dict[str, Any], global_batch: int, gpus: int,
+           spec: ModelSpec | None, precision: str = "bf16-mixed") -> Layout:
+    """`program` (with its `summary`) as a Layout; `spec`: the model, for its shape."""
+    places = sorted((d for d in program.directives if isinstance(d, Place)),
+                    key=lambda d: d.stage)
+    regions = tuple(tuple(p.regions) for p in places)
+    layers = tuple(sum(1 for r in rs if _LAYER.fullmatch(r)) for rs in regions)
+    return Layout(
+        gpus=gpus, dp=summary["dp"], pp=summary["pp"], tp=summary["tp"],
+        sp=bool(summary.get("sp")), ep=summary.get("ep", 1), zero=summary["zero"],
+        schedule=summary["schedule"], virtual_stages=summary.get("virtual_stages", 1),
+        microbatches=summary["microbatches"], global_batch=global_batch,
+        recompute=summary.get("recompute", False),
+        comm_stream=bool(summary.get("comm_stream")), bucket_mb=summary.get("bucket_mb"),
+        precision=precision, stage_layers=layers, stage_regions=regions,
+        model=model_shape(spec) if spec is not None else ModelShape())
+
+
+_LAYER = re.compile(r"layer\.\d+")
+_FAMILIES = {"llama": "llama", "qwen3": "qwen3", "qwen2": "qwen3", "mistral": "llama",
+             "gpt2": "gpt"}
+
+
+def model_shape(spec: ModelSpec) -> ModelShape:
+    """The model's family and dims: a Hugging Face config's fields, or the config dataclass
+    a model file's blocks keep (`examples/llama.py`, `examples/gpt.py`); unknown otherwise."""
+    with torch.device("meta"):
+        model = spec.build()
+    config = getattr(model, "config", None)
+    if config is not None and hasattr(config, "model_type"):
+        return ModelShape(
+            family=_FAMILIES.get(config.model_type), layers=config.num_hidden_layers,
+            dim=config.hidden_size, heads=config.num_attention_heads,
+            kv_heads=getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
+            ffn=getattr(config, "intermediate_size", 0) or 4 * config.hidden_size,
+            vocab=config.vocab_size, seq=int(dict(spec.options).get("seq_len", 0)),
+            tied=bool(getattr(config, "tie_word_embeddings", False)))
+    c = next((m.c for m in model.modules() if dataclasses.is_dataclass(getattr(m, "c", None))),
+             None)
+    if c is None or not hasattr(c, "dim"):
+        return ModelShape()
+    heads = getattr(c, "heads", 0)
+    family = ("qwen3" if getattr(c, "qk_norm", False) else "llama") if hasattr(
+        c, "kv_heads") else "gpt"
+    return ModelShape(family=family, layers=c.layers, dim=c.dim, heads=heads,
+                      kv_heads=getattr(c, "kv_heads", heads), ffn=getattr(c, "ffn", 4 * c.dim),
+                      vocab=c.vocab, seq=c.seq, tied=bool(getattr(c, "tie", False)))
+
+
+@dataclass(frozen=True)
+class Exported:
+    """A target's file, and a line for each choice it could not express as found (with the
+    nearest one it took)."""
+
+    text: str
+    notes: tuple[str, ...] = ()

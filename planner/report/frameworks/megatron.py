@@ -1,0 +1,116 @@
+"""A strategy as Megatron-LM's `pretrain_gpt.py` arguments (megatron/training/arguments.py).
+
+Degrees: --tensor-model-parallel-size, --pipeline-model-parallel-size (our stage split,
+interleaved or not, as --pipeline-model-parallel-layout), --sequence-parallel,
+--context-parallel-size, --expert-model-parallel-size. Data parallelism is what is left of
+the world. ZeRO-1 is the distributed optimizer (which also reduce-scatters the gradients:
+its memory is ZeRO-1's, a full fp32 gradient buffer stays), ZeRO-3 is Megatron's
+torch-FSDP2 path. --overlap-grad-reduce (and --overlap-param-gather with the distributed
+optimizer) is what a comm stream does. Recompute: full is --recompute-granularity full
+(uniform, one layer per checkpoint), selective is Megatron's own (its core attention).
+"""
+
+from __future__ import annotations
+
+import shlex
+
+from piper.errors import PiperError
+from planner.report.frameworks.layout import Exported, Layout
+
+
+def megatron_args(lay: Layout) -> Exported:
+    notes: list[str] = []
+    m = lay.model
+    args: list[str] = []
+    if m.family is None or not m.layers:
+        notes.append("model: not a GPT or Llama shape Megatron's GPTModel builds: it needs "
+                     "a port (model flags left out)")
+    else:
+        args += ["--num-layers", str(m.layers), "--hidden-size", str(m.dim),
+                 "--num-attention-heads", str(m.heads), "--ffn-hidden-size", str(m.ffn),
+                 "--seq-length", str(m.seq), "--max-position-embeddings", str(m.seq),
+                 "--vocab-size", str(m.vocab)]
+        if m.family in ("llama", "qwen3"):
+            args += ["--swiglu", "--normalization", "RMSNorm", "--position-embedding-type",
+                     "rope", "--disable-bias-linear"]
+            if m.kv_heads and m.kv_heads != m.heads:
+                args += ["--group-query-attention", "--num-query-groups", str(m.kv_heads)]
+            if m.family == "qwen3":
+                args += ["--qk-layernorm"]
+        if not m.tied:
+            args.append("--untie-embeddings-and-output-weights")
+    args += ["--tensor-model-parallel-size", str(lay.tp),
+             "--pipeline-model-parallel-size", str(lay.pp), "--context-parallel-size", "1"]
+    if lay.ep > 1:
+        args += ["--expert-model-parallel-size", str(lay.ep)]
+    if lay.sp:
+        args.append("--sequence-parallel")
+    args += _pipeline(lay, notes)
+    args += _data_parallel(lay, notes)
+    args += _recompute(lay, notes)
+    args += ["--micro-batch-size", str(lay.microbatch_size),
+             "--global-batch-size", str(lay.global_batch), "--clip-grad", "1.0"]
+    if lay.precision != "fp32":
+        args.append("--bf16")
+    return Exported(shlex.join(args) + "\n", tuple(notes))
+
+
+def _pipeline(lay: Layout, notes: list[str]) -> list[str]:
+    """The stage split as Megatron's --pipeline-model-parallel-layout ("E" the embedding,
+    "t" a layer, "L" the output layer and loss; stages in model order, the virtual stages
+    of a rank every pp-th): exact for any split, interleaved too."""
+    if lay.pp == 1:
+        return []
+    if lay.schedule == "dualpipev":
+        notes.append("schedule dualpipev: Megatron-LM has no V schedule; nearest: "
+                     "interleaved 1F1B over the same stages, placed round-robin")
+    elif lay.schedule not in ("1f1b", "interleaved-1f1b"):
+        nearest = "interleaved 1F1B" if len(lay.stage_regions) > lay.pp else "1F1B"
+        notes.append(f"schedule {lay.schedule}: Megatron-LM runs 1F1B or interleaved 1F1B; "
+                     f"nearest: {nearest} with the same stages")
+    return ["--pipeline-model-parallel-layout", "|".join(map(_stage, lay.stage_regions))]
+
+
+def _stage(regions: tuple[str, ...]) -> str:
+    layers = sum(1 for r in regions if r.startswith("layer."))
+    other = [r for r in regions if r not in ("embed", "head") and not r.startswith("layer.")]
+    if other:
+        raise PiperError(f"region {other[0]!r} has no place in Megatron's GPT layout (E, t, "
+                         "L): export without --to, or name regions embed, layer.N, head")
+    return (("E" if "embed" in regions else "") + (f"t*{layers}" if layers else "")
+            + ("L" if "head" in regions else ""))
+
+
+def _data_parallel(lay: Layout, notes: list[str]) -> list[str]:
+    out: list[str] = []
+    if lay.zero == 3:
+        out.append("--use-torch-fsdp2")
+        if lay.pp > 1:
+            raise PiperError("zero 3 with pipeline parallelism: Megatron-LM's FSDP2 path "
+                             "does not run with a pipeline")
+    elif lay.zero:
+        if lay.zero == 2:
+            notes.append("zero 2: Megatron's distributed optimizer shards the optimizer "
+                         "state and reduce-scatters gradients, but keeps a full fp32 "
+                         "gradient buffer (ZeRO-1's memory)")
+        out.append("--use-distributed-optimizer")
+    if lay.comm_stream:
+        out.append("--overlap-grad-reduce")
+        if lay.zero in (1, 2):
+            out.append("--overlap-param-gather")
+    if lay.bucket_mb:
+        notes.append(f"buckets of {lay.bucket_mb:g} MiB: Megatron sizes its own "
+                     "(--ddp-bucket-size is in elements); left at its default")
+    return out
+
+
+def _recompute(lay: Layout, notes: list[str]) -> list[str]:
+    if lay.recompute is True:
+        return ["--recompute-granularity", "full", "--recompute-method", "uniform",
+                "--recompute-num-layers", "1"]
+    if not lay.recompute:
+        return []
+    if lay.recompute == "op":
+        notes.append("recompute op: Megatron's fused kernels already keep what op keeps; "
+                     "nearest: selective (core attention)")
+    return ["--recompute-granularity", "selective"]

@@ -1,0 +1,144 @@
+"""A framework's config read back as piper-plan's shorthand (`simulate --from`): "how fast
+is what I run today, and what would be faster?"
+
+Each reader returns the shorthand fields (`pp`, `dp`, `tp`, `sp`, `ep`, `zero`, `schedule`,
+`virtual_stages`, `microbatches`, `recompute`, `comm_stream`, `batch_size`; torchtitan's
+`unit_per_layer`: its FSDP units are its transformer blocks) and a line for
+each setting it read as the nearest piper-plan choice; a setting piper-plan cannot price at
+all is a `PiperError`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import tomllib
+from pathlib import Path
+from typing import Any
+
+from piper.errors import PiperError
+from planner.report.frameworks.torchtitan import SCHEDULES
+
+Shorthand = dict[str, Any]
+
+
+def from_torchtitan(path: str, gpus: int) -> tuple[Shorthand, list[str]]:
+    """A torchtitan 0.2 job TOML (its defaults where a key is absent)."""
+    try:
+        with open(path, "rb") as f:
+            cfg = tomllib.load(f)
+    except (OSError, tomllib.TOMLDecodeError) as e:
+        raise PiperError(f"--from torchtitan {path}: {e}") from None
+    par, train = cfg.get("parallelism", {}), cfg.get("training", {})
+    ac = cfg.get("activation_checkpoint", {})
+    notes: list[str] = []
+    tp, pp = int(par.get("tensor_parallel_degree", 1)), int(par.get("pipeline_parallel_degree", 1))
+    cp, ep = int(par.get("context_parallel_degree", 1)), int(par.get("expert_parallel_degree", 1))
+    if cp > 1:
+        raise PiperError(f"--from torchtitan {path}: context_parallel_degree {cp}: piper-plan "
+                         "has no context parallelism yet")
+    replicate = int(par.get("data_parallel_replicate_degree", 1))
+    shard = int(par.get("data_parallel_shard_degree", -1))
+    if shard == -1:
+        shard, rest = divmod(gpus, tp * pp * replicate)
+        if rest or shard < 1:
+            raise PiperError(f"--from torchtitan {path}: tp {tp} x pp {pp} x replicate "
+                             f"{replicate} does not divide --gpus {gpus}")
+    if replicate > 1 and shard > 1:
+        notes.append(f"HSDP ({replicate} replicas of {shard}-way FSDP): read as {replicate * shard}"
+                     "-way ZeRO-3")
+    dp = replicate * shard
+    reshard = par.get("fsdp_reshard_after_forward", "default")
+    zero = 0 if shard == 1 else (2 if reshard == "never" else 3)
+    local = int(train.get("local_batch_size", 8))
+    batch = int(train.get("global_batch_size", -1))
+    if pp > 1:
+        mbs = int(par.get("pipeline_parallel_microbatch_size", 1))
+        batch = local * dp if batch == -1 else batch
+        microbatches = batch // (dp * mbs)
+        names = {v: k for k, v in SCHEDULES.items()}
+        given = par.get("pipeline_parallel_schedule", "1F1B")
+        if given not in names:
+            raise PiperError(f"--from torchtitan {path}: pipeline_parallel_schedule {given!r}: "
+                             f"piper-plan runs {', '.join(sorted(names))}")
+        schedule = names[given]
+        parts = par.get("module_fqns_per_model_part")
+        v = len(parts) // pp if parts else (2 if schedule in ("interleaved-1f1b",
+                                                               "dualpipev") else 1)
+    else:
+        batch = local * dp if batch == -1 else batch
+        microbatches, schedule, v = batch // (dp * local), "none", 1
+    mode = ac.get("mode", "selective")
+    option = str(ac.get("selective_ac_option", "2"))
+    if mode == "full":
+        recompute: bool | str = True
+    elif mode == "selective" and option == "op":
+        recompute = "op"
+    elif mode == "selective":
+        notes.append(f"selective AC of every {option}th layer: read as full recompute")
+        recompute = True
+    else:
+        recompute = False
+    # FSDP units: torchtitan wraps each transformer block (`unit_per_layer`)
+    return ({"pp": pp, "dp": dp, "tp": tp, "sp": tp > 1, "ep": ep, "zero": zero,
+             "schedule": schedule, "virtual_stages": v, "microbatches": microbatches,
+             "recompute": recompute, "comm_stream": False, "batch_size": batch,
+             "unit_per_layer": zero > 0}, notes)
+
+
+def from_megatron(text: str, gpus: int) -> tuple[Shorthand, list[str]]:
+    """Megatron-LM's `pretrain_gpt.py` arguments (a string, or a file holding them); options
+    that do not change the parallel layout are left alone."""
+    if not text.lstrip().startswith("-") and Path(text).is_file():
+        text = Path(text).read_text()
+    p = argparse.ArgumentParser(add_help=False)
+    for flag, kind in (("--tensor-model-parallel-size", int), ("--pipeline-model-parallel-size",
+                       int), ("--context-parallel-size", int),
+                       ("--expert-model-parallel-size", int), ("--micro-batch-size", int),
+                       ("--global-batch-size", int), ("--num-layers", int),
+                       ("--num-layers-per-virtual-pipeline-stage", int),
+                       ("--pipeline-model-parallel-layout", str),
+                       ("--recompute-granularity", str)):
+        p.add_argument(flag, type=kind)
+    for flag in ("--sequence-parallel", "--use-distributed-optimizer", "--use-torch-fsdp2",
+                 "--overlap-grad-reduce"):
+        p.add_argument(flag, action="store_true")
+    try:
+        a, _ = p.parse_known_args(shlex.split(text))
+    except (SystemExit, ValueError) as e:
+        raise PiperError(f"--from megatron: cannot read the arguments ({e})") from None
+    tp, pp = a.tensor_model_parallel_size or 1, a.pipeline_model_parallel_size or 1
+    if (a.context_parallel_size or 1) > 1:
+        raise PiperError(f"--from megatron: --context-parallel-size {a.context_parallel_size}: "
+                         "piper-plan has no context parallelism yet")
+    dp, rest = divmod(gpus, tp * pp)
+    if rest or dp < 1:
+        raise PiperError(f"--from megatron: tp {tp} x pp {pp} does not divide --gpus {gpus}")
+    if a.micro_batch_size is None or a.global_batch_size is None:
+        raise PiperError("--from megatron: give --micro-batch-size and --global-batch-size")
+    microbatches, rest = divmod(a.global_batch_size, dp * a.micro_batch_size)
+    if rest:
+        raise PiperError(f"--from megatron: global batch {a.global_batch_size} is not a "
+                         f"multiple of dp {dp} x micro batch {a.micro_batch_size}")
+    schedule, v = ("none", 1) if pp == 1 else ("1f1b", 1)
+    if a.pipeline_model_parallel_layout and pp > 1:
+        stages = a.pipeline_model_parallel_layout.replace(",", "").count("|") + 1
+        v = stages // pp
+        schedule = "interleaved-1f1b" if v > 1 else "1f1b"
+    elif a.num_layers_per_virtual_pipeline_stage and pp > 1:
+        if not a.num_layers:
+            raise PiperError("--from megatron: --num-layers-per-virtual-pipeline-stage "
+                             "needs --num-layers")
+        schedule = "interleaved-1f1b"
+        v = a.num_layers // (pp * a.num_layers_per_virtual_pipeline_stage)
+    zero = 3 if a.use_torch_fsdp2 else 1 if a.use_distributed_optimizer else 0
+    recompute = {"full": True, "selective": "attention"}.get(a.recompute_granularity or "",
+                                                              False)
+    return ({"pp": pp, "dp": dp, "tp": tp, "sp": a.sequence_parallel,
+             "ep": a.expert_model_parallel_size or 1, "zero": zero, "schedule": schedule,
+             "virtual_stages": v, "microbatches": microbatches, "recompute": recompute,
+             "comm_stream": a.overlap_grad_reduce and dp > 1 and zero < 3,
+             "batch_size": a.global_batch_size, "unit_per_layer": zero == 3}, [])
+
+
+READERS = {"torchtitan": from_torchtitan, "megatron": from_megatron}

@@ -1,0 +1,216 @@
+"""Found strategies as the frameworks' configs: each file parsed by the target's own
+configuration code where it installs beside torch 2.13 (torchtitan 0.2's ConfigManager,
+DeepSpeed's DeepSpeedConfig; `pip install --no-deps`), else checked against a schema from
+its pinned source (Megatron-LM's options: tests/data/megatron_args.json); degrees, world
+size and batch arithmetic agree with the strategy, and reading a config back (`simulate
+--from`) gives the strategy again."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shlex
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+from piper import schedules
+from piper.errors import PiperError
+from piper.model_file import load_model_file
+from planner.cli import main
+from planner.report.frameworks import TARGETS, layout
+from planner.report.frameworks.readback import from_megatron, from_torchtitan
+from tests.conftest import ROOT
+
+LLAMA = str(ROOT / "examples" / "llama.py")
+GPUS, BATCH = 16, 32
+MEGATRON = json.loads((ROOT / "tests" / "data" / "megatron_args.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def spec():
+    return load_model_file(LLAMA, (("size", "llama3-8b"),))
+
+
+def _stages(n: int) -> list[list[str]]:
+    """examples/llama.py's 34 regions in `n` stages: the embedding and head beside layers."""
+    regions = ["embed", *(f"layer.{i}" for i in range(32)), "head"]
+    cuts = [round(i * len(regions) / n) for i in range(n + 1)]
+    return [regions[a:b] for a, b in zip(cuts, cuts[1:])]
+
+
+# name: (schedule, pp, virtual stages, dp, tp, zero, microbatches, recompute)
+STRATEGIES = {
+    "fsdp": ("none", 1, 1, 16, 1, 3, 2, True),
+    "tp_sp_interleaved": ("interleaved-1f1b", 2, 2, 2, 4, 1, 4, "op"),
+    "pp4_1f1b_ddp": ("1f1b", 4, 1, 4, 1, 0, 8, False),
+}
+
+
+def _strategy(name: str, spec):
+    schedule, pp, v, dp, tp, zero, m, rc = STRATEGIES[name]
+    prog = schedules.build(schedule, _stages(pp * v), microbatches=m, dp=dp, pp=pp, zero=zero,
+                           recompute=rc)
+    prog = schedules.shard(prog, tp=tp, sp=tp > 1)
+    return layout(prog, prog.summary(), BATCH, GPUS, spec, "bf16-mixed")
+
+
+@pytest.fixture(scope="module")
+def titan_manager():
+    """torchtitan's ConfigManager, or None where torchtitan 0.2 is not installed. Its own
+    config code, imported without the package's __init__ (which imports model kernels that
+    need Triton, a GPU package)."""
+    found = importlib.util.find_spec("torchtitan")
+    if found is None or importlib.util.find_spec("tyro") is None:
+        yield None
+        return
+    saved = {k: v for k, v in sys.modules.items() if k.startswith("torchtitan")}
+    pkg = types.ModuleType("torchtitan")
+    pkg.__path__ = list(found.submodule_search_locations)
+    sys.modules["torchtitan"] = pkg
+    try:
+        from torchtitan.config import ConfigManager
+        yield ConfigManager
+    except ImportError:
+        yield None
+    finally:
+        for k in [k for k in sys.modules if k.startswith("torchtitan")]:
+            del sys.modules[k]
+        sys.modules.update(saved)
+
+
+@pytest.mark.parametrize("name", sorted(STRATEGIES))
+def test_torchtitan_loads_the_config_with_the_strategys_degrees(name, spec, titan_manager,
+                                                                tmp_path):
+    lay = _strategy(name, spec)
+    out = TARGETS["torchtitan"](lay)
+    path = tmp_path / "job.toml"
+    path.write_text(out.text)
+    if titan_manager is None:
+        pytest.skip("torchtitan 0.2 is not installed (pip install --no-deps torchtitan==0.2.2 "
+                    "tyro): the TOML was not parsed by its loader")
+    cfg = titan_manager().parse_args(["--job.config_file", str(path)])
+    par, train = cfg.parallelism, cfg.training
+    dp = par.data_parallel_replicate_degree * par.data_parallel_shard_degree
+    assert (dp, par.tensor_parallel_degree, par.pipeline_parallel_degree) == (
+        lay.dp, lay.tp, lay.pp)
+    assert dp * par.tensor_parallel_degree * par.pipeline_parallel_degree == GPUS
+    assert (cfg.model.name, cfg.model.flavor) == ("llama3", "8B")
+    assert train.global_batch_size == BATCH
+    if lay.pp > 1:  # one step: local batch in microbatches through the pipeline
+        assert train.local_batch_size * dp == BATCH
+        assert train.local_batch_size // par.pipeline_parallel_microbatch_size == lay.microbatches
+        assert len(par.module_fqns_per_model_part) == lay.pp * lay.virtual_stages
+        assert sum(len(p) for p in par.module_fqns_per_model_part) == 32 + 3
+    else:  # gradient accumulation: global / (local x dp) steps
+        assert BATCH // (train.local_batch_size * dp) == lay.microbatches
+    mode = cfg.activation_checkpoint.mode
+    assert mode == {True: "full", "op": "selective", False: "none"}[lay.recompute]
+
+
+@pytest.mark.parametrize("name", sorted(STRATEGIES))
+def test_megatron_arguments_are_its_options_and_add_up(name, spec):
+    lay = _strategy(name, spec)
+    out = TARGETS["megatron"](lay)
+    args = shlex.split(out.text)
+    flags = [a for a in args if a.startswith("--")]
+    unknown = set(flags) - set(MEGATRON["options"])
+    assert not unknown, f"not options of Megatron-LM {MEGATRON['commit'][:10]}: {unknown}"
+    value = {a: b for a, b in zip(args, args[1:]) if a.startswith("--")}
+    tp, pp = int(value["--tensor-model-parallel-size"]), int(
+        value["--pipeline-model-parallel-size"])
+    mbs, gbs = int(value["--micro-batch-size"]), int(value["--global-batch-size"])
+    assert (tp, pp, gbs) == (lay.tp, lay.pp, BATCH)
+    assert gbs == (GPUS // (tp * pp)) * mbs * lay.microbatches
+    assert ("--sequence-parallel" in flags) == lay.sp
+    if pp > 1:  # the stage split, as Megatron's layout string
+        stages = value["--pipeline-model-parallel-layout"].split("|")
+        assert len(stages) == pp * lay.virtual_stages
+        assert stages[0].startswith("E") and stages[-1].endswith("L")
+        assert [int(st.strip("EL").removeprefix("t*") or 0) for st in stages] == list(
+            lay.stage_layers)
+
+
+@pytest.mark.parametrize("name", ["fsdp", "pp4_1f1b_ddp"])
+def test_deepspeed_accepts_the_config_and_its_batch(name, spec, monkeypatch):
+    lay = _strategy(name, spec)
+    config = json.loads(TARGETS["deepspeed"](lay).text)
+    assert config["train_batch_size"] == (config["train_micro_batch_size_per_gpu"]
+                                          * config["gradient_accumulation_steps"] * lay.dp)
+    assert config["zero_optimization"]["stage"] == lay.zero
+    try:
+        from deepspeed.runtime.config import DeepSpeedConfig
+    except ImportError:
+        pytest.skip("deepspeed is not installed (pip install --no-deps deepspeed): its "
+                    "DeepSpeedConfig did not check the file")
+
+    class DataParallel:  # DeepSpeed's model-parallel unit interface: the replicas
+        @staticmethod
+        def get_data_parallel_world_size() -> int:
+            return lay.dp
+
+        @staticmethod
+        def get_model_parallel_world_size() -> int:
+            return lay.pp
+
+    import deepspeed.runtime.config as ds_config
+
+    # no process group here: rank 0 of a job whose replicas the mpu names
+    monkeypatch.setattr(ds_config.dist, "get_rank", lambda *a, **k: 0)
+    ds = DeepSpeedConfig(config, mpu=DataParallel())
+    assert (ds.train_batch_size, ds.gradient_accumulation_steps, ds.zero_optimization_stage) \
+        == (BATCH, lay.microbatches, lay.zero)
+
+
+def test_what_a_target_cannot_run_is_named_or_refused(spec):
+    lay = _strategy("tp_sp_interleaved", spec)
+    with pytest.raises(PiperError, match="DeepSpeed's engine has no tensor"):
+        TARGETS["deepspeed"](lay)
+    notes = TARGETS["torchtitan"](lay).notes
+    assert any(n.startswith("zero 1: torchtitan has no ZeRO-1") for n in notes)
+    assert any(n.startswith("recompute op:") for n in notes)
+    assert "no model of this family" not in " ".join(notes)
+
+
+@pytest.mark.parametrize("name", sorted(STRATEGIES))
+def test_reading_a_config_back_gives_the_strategy(name, spec, tmp_path):
+    lay = _strategy(name, spec)
+    path = tmp_path / "job.toml"
+    path.write_text(TARGETS["torchtitan"](lay).text)
+    titan, _ = from_torchtitan(str(path), GPUS)
+    megatron, _ = from_megatron(TARGETS["megatron"](lay).text, GPUS)
+    for got in (titan, megatron):
+        assert (got["pp"], got["dp"], got["tp"], got["sp"], got["microbatches"],
+                got["batch_size"]) == (lay.pp, lay.dp, lay.tp, lay.sp, lay.microbatches, BATCH)
+        assert got["schedule"] == lay.schedule
+        assert got["virtual_stages"] == lay.virtual_stages
+    assert titan["zero"] == (2 if lay.zero == 1 else lay.zero), "torchtitan has no ZeRO-1"
+    assert titan["recompute"] == lay.recompute
+
+
+def test_search_writes_configs_and_simulate_reads_them_back(tmp_path, capsys):
+    out = tmp_path / "out"
+    argv = ["search", LLAMA, "--model-arg", "size=tiny", "--gpus", "4", "--batch-size", "8",
+            "--cluster", "h100-80gb", "--trials", "6", "--seed", "1", "--out", str(out),
+            "--to", "torchtitan", "--to", "megatron", "--json"]
+    assert main(argv) == 0
+    best = json.loads(capsys.readouterr().out)["best"]
+    titan, megatron = out / "best_torchtitan.toml", out / "best_megatron.args"
+    assert titan.is_file() and megatron.is_file()
+    for source in ([str(titan)], [str(megatron)]):
+        framework = "torchtitan" if source[0].endswith(".toml") else "megatron"
+        rc = main(["simulate", LLAMA, "--model-arg", "size=tiny", "--gpus", "4",
+                   "--cluster", "h100-80gb", "--from", framework, *source, "--json"])
+        assert rc == 0
+        got = json.loads(capsys.readouterr().out)["summary"]
+        for k in ("dp", "pp", "tp"):
+            assert got[k] == best["summary"][k], (framework, k)
+    rc = main(["export", str(out), "--to", "deepspeed", "--out", str(tmp_path / "ds.json")])
+    err = capsys.readouterr().err
+    if best["summary"]["tp"] > 1:
+        assert rc == 2 and "no tensor or expert parallelism" in err
+    else:
+        assert rc == 0 and json.loads(Path(tmp_path / "ds.json").read_text())[
+            "train_batch_size"] == 8

@@ -89,6 +89,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run the K best predicted strategies for real and re-rank them")
     s.add_argument("--device", choices=["cpu", "cuda"], help="where --measure runs")
     s.add_argument("--out", default="piper_plan_out", help="output folder")
+    s.add_argument("--target", choices=["torchtitan", "megatron", "deepspeed"],
+                   metavar="FRAMEWORK", help="search only what FRAMEWORK runs (its ZeRO "
+                   "stages, schedules, recompute policies, TP with or without SP), priced "
+                   "as it runs (torchtitan: an FSDP unit per block), and write its config "
+                   "(as --to FRAMEWORK); docs/frameworks.md")
     s.add_argument("--to", action="append", choices=["torchtitan", "megatron", "deepspeed"],
                    metavar="FRAMEWORK", help="also write the best strategy as FRAMEWORK's "
                    "config beside best_strategy.py: torchtitan (best_torchtitan.toml), "

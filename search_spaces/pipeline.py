@@ -82,6 +82,11 @@ class PipelineSpace(SearchSpace):
     sps: tuple[bool, ...] = (False,)
     """Sequence parallelism off/on for points with tp > 1. Not a grid dimension either: each
     point's `variants` (it changes memory and communication, never which points exist)."""
+    sp_with_tp: bool = False
+    """Every point with tp > 1 runs sequence parallelism (torchtitan's TP always does)."""
+    max_zero_in_pipeline: int = 3
+    """The highest ZeRO stage a point with pp > 1 may run (DeepSpeed's pipeline engine: 1;
+    Megatron-LM's FSDP path runs without a pipeline: 1)."""
 
     @property
     def flat_schedule(self) -> str:
@@ -190,6 +195,10 @@ class PipelineSpace(SearchSpace):
             other = {**point, "bucket_mb": b}
             if b != point.get("bucket_mb", 0) and self.violation(**other) is None:
                 out.append(other)
+        if 0 not in self.buckets and len(out) > 1:  # only the sizes given (a framework's)
+            out = out[1:]
+        if self.sp_with_tp and point.get("tp", 1) > 1:
+            return [{**p, "sp": True} for p in out]
         if True in self.sps and point.get("tp", 1) > 1 and not point.get("sp"):
             out += [{**p, "sp": True} for p in out]  # each, with sequence parallelism
         return out
@@ -225,6 +234,9 @@ class PipelineSpace(SearchSpace):
             return f"dp={dp} x microbatches={m} does not divide batch {self.batch_size}"
         if zero and dp == 1:
             return "ZeRO shards over data-parallel replicas; dp=1 has none"
+        if pp > 1 and zero > self.max_zero_in_pipeline:
+            return (f"ZeRO-{zero} with a pipeline: the target framework runs at most "
+                    f"ZeRO-{self.max_zero_in_pipeline} beside one")
         if comm_stream and dp == 1:
             return "a comm stream carries data-parallel collectives; dp=1 has none"
         if comm_stream and zero == 3:  # its gradient scatters share a group with the gathers

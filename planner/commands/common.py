@@ -94,16 +94,6 @@ def apply_from(args: argparse.Namespace) -> None:
         args.virtual_stages = None
 
 
-def layer_units_mb(ev: Any, tp: int) -> float:
-    """MiB of one transformer block's fp32 parameters on a rank (an FSDP unit per block, as
-    torchtitan and Megatron's FSDP2 wrap): the largest `layer.N` region's (else the
-    largest region's)."""
-    costs = ev.costs
-    layers = [p for r, p in zip(costs.regions, costs.params, strict=True)
-              if r.startswith("layer.")] or list(costs.params)
-    return 4 * max(layers) / tp / 2**20
-
-
 def program_of(args: argparse.Namespace, ev: Any) -> Any:
     from piper.program import Program
     from planner.search.strategy import shorthand_program

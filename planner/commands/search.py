@@ -66,6 +66,12 @@ def search(args: argparse.Namespace) -> int:
     space, dropped = search_space(ev, cluster.gpus_per_node)
     for line in dropped:
         log(f"left out {line}")
+    if args.target:  # only what the framework runs, priced as it runs; its config written
+        from planner.search.space import target_space
+
+        space = target_space(space, args.target, ev)
+        args.to = [*(args.to or ()), args.target]
+        log(f"target {args.target}: the space holds only what {args.target} runs")
     log(f"search space: {len(space.points())} valid strategies; {args.trials} trials, "
         f"{args.sampler} sampler, {args.backend} backend")
     common = {"trials": args.trials, "timeout": args.timeout, "sampler": args.sampler,

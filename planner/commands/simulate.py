@@ -9,7 +9,6 @@ from typing import Any
 from planner.commands.common import (
     EXIT_OK,
     apply_from,
-    layer_units_mb,
     batch_of,
     cluster_of,
     emit,
@@ -34,6 +33,8 @@ def simulate(args: argparse.Namespace) -> int:
                    precision=planned_precision(args, cluster))
     tell_regions(ev)
     if getattr(args, "unit_per_layer", False):  # --from torchtitan: FSDP unit per block
+        from planner.search.space import layer_units_mb
+
         args.bucket_mb = layer_units_mb(ev, args.tp)
     result = ev.evaluate(program_of(args, ev))
     pred = predicted_json(result.prediction)

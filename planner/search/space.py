@@ -28,6 +28,51 @@ RECOMPUTES = (False, True, "attention", "op")
 (`piper.Recompute`)."""
 
 
+TARGETS: dict[str, dict[str, Any]] = {
+    # torchtitan 0.2: DDP, or FSDP2 resharding after forward or not (ZeRO 3 / 2), every
+    # torch.distributed.pipelining schedule, TP always with SP, full or per-op AC, one FSDP
+    # unit per transformer block
+    "torchtitan": {"zeros": (0, 2, 3), "recomputes": (False, True, "op"), "sp_with_tp": True,
+                   "units": "layer"},
+    # Megatron-LM: DDP or the distributed optimizer (ZeRO-1), FSDP2 (ZeRO-3) without a
+    # pipeline; 1F1B and interleaved 1F1B; full or selective (core attention) recompute
+    "megatron": {"zeros": (0, 1, 3), "max_zero_in_pipeline": 1,
+                 "schedules": ("1f1b", "interleaved-1f1b"),
+                 "recomputes": (False, True, "attention")},
+    # DeepSpeed: no tensor or expert parallelism of its own, ZeRO 0-1 beside a pipeline,
+    # its 1F1B-like pipeline schedule, full recompute
+    "deepspeed": {"tps": (1,), "eps": (1,), "max_zero_in_pipeline": 1,
+                  "schedules": ("1f1b",), "recomputes": (False, True)},
+}
+"""What each framework runs (`search --target`), as limits of the space."""
+
+
+def layer_units_mb(evaluator: Evaluator, tp: int = 1) -> float:
+    """MiB of one transformer block's fp32 parameters on a rank (an FSDP unit per block, as
+    torchtitan and Megatron's FSDP2 wrap): the largest `layer.N` region's (else the
+    largest region's)."""
+    costs = evaluator.costs
+    layers = [p for r, p in zip(costs.regions, costs.params, strict=True)
+              if r.startswith("layer.")] or list(costs.params)
+    return 4 * max(layers) / tp / 2**20
+
+
+def target_space(space: PipelineSpace, target: str, evaluator: Evaluator) -> PipelineSpace:
+    """`space` limited to what framework `target` runs, priced as it runs (`TARGETS`)."""
+    limits = dict(TARGETS[target])
+    units = limits.pop("units", None)
+    if units == "layer":
+        limits["buckets"] = (round(layer_units_mb(evaluator), 3),)
+    for name in ("zeros", "tps", "eps", "recomputes"):
+        if name in limits:
+            limits[name] = tuple(v for v in limits[name] if v in getattr(space, name))
+    if "schedules" in limits:
+        limits["schedules"] = tuple(s for s in limits["schedules"] if s in space.schedules)
+    if limits.get("sp_with_tp"):
+        limits["sps"] = (True,)
+    return dataclasses.replace(space, **limits)
+
+
 def search_space(evaluator: Evaluator, gpus_per_node: int) -> tuple[PipelineSpace, list[str]]:
     """The viable default space, without activation recompute and with each policy of it
     (`RECOMPUTES`), with and without a comm stream,

@@ -35,6 +35,18 @@ class ModelShape:
     seq: int = 0
     tied: bool = False
 
+    @property
+    def layer_mib(self) -> float:
+        """MiB of one transformer block's fp32 parameters (0: unknown)."""
+        if self.family in ("llama", "qwen3"):
+            kv = self.dim // self.heads * self.kv_heads if self.heads else 0
+            n = 2 * self.dim ** 2 + 2 * self.dim * kv + 3 * self.dim * self.ffn
+        elif self.family == "gpt":
+            n = 4 * self.dim ** 2 + 2 * self.dim * self.ffn
+        else:
+            return 0.0
+        return 4 * n / 2**20
+
 
 @dataclass(frozen=True)
 class Layout:

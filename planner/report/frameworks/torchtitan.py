@@ -56,9 +56,10 @@ def torchtitan_config(lay: Layout) -> Exported:
     if lay.comm_stream and lay.zero == 0:
         notes.append("comm stream: DDP overlaps its bucketed all-reduces with the backward "
                      "on its own; nothing to set")
-    if lay.bucket_mb and lay.zero:
+    block = lay.model.layer_mib / lay.tp
+    if lay.bucket_mb and lay.zero and not abs(lay.bucket_mb - block) <= 0.05 * block:
         notes.append(f"buckets of {lay.bucket_mb:g} MiB: torchtitan wraps one FSDP unit per "
-                     "transformer block instead")
+                     f"transformer block ({block:.0f} MiB) instead")
     parallelism: dict[str, Any] = {
         "data_parallel_replicate_degree": replicate, "data_parallel_shard_degree": shard,
         "fsdp_reshard_after_forward": reshard, "tensor_parallel_degree": lay.tp,

@@ -20,7 +20,7 @@ from piper import schedules
 from piper.errors import PiperError
 from piper.model_file import load_model_file
 from planner.cli import main
-from planner.report.frameworks import TARGETS, layout
+from planner.report.frameworks import SUFFIX, TARGETS, layout
 from planner.report.frameworks.readback import from_megatron, from_torchtitan
 from tests.conftest import ROOT
 
@@ -214,3 +214,30 @@ def test_search_writes_configs_and_simulate_reads_them_back(tmp_path, capsys):
     else:
         assert rc == 0 and json.loads(Path(tmp_path / "ds.json").read_text())[
             "train_batch_size"] == 8
+
+
+@pytest.mark.parametrize("target", ["torchtitan", "megatron", "deepspeed"])
+def test_a_targeted_search_tries_only_what_the_framework_runs(target, tmp_path, capsys):
+    import csv
+
+    out = tmp_path / target
+    argv = ["search", LLAMA, "--model-arg", "size=tiny", "--gpus", "4", "--batch-size", "8",
+            "--cluster", "h100-80gb", "--trials", "12", "--seed", "0", "--out", str(out),
+            "--target", target]
+    assert main(argv) == 0
+    capsys.readouterr()
+    rows = list(csv.DictReader((out / "trials.csv").open()))
+    assert rows
+    for r in rows:
+        tp, pp, zero = int(r["tp"]), int(r["pp"]), int(r["zero"])
+        if target == "torchtitan":
+            assert zero != 1 and (tp == 1 or r["sp"] == "True")
+            assert r["recompute"] in ("False", "True", "op")
+            assert r["bucket_mb"] not in ("25", "100")  # its units: one block each
+        elif target == "megatron":
+            assert zero in (0, 1, 3) and not (pp > 1 and zero == 3)
+            assert r["schedule"] in ("none", "1f1b", "interleaved-1f1b")
+        else:
+            assert tp == 1 and not (pp > 1 and zero > 1)
+            assert r["schedule"] in ("none", "1f1b")
+    assert (out / f"best_{target}{SUFFIX[target]}").is_file(), "--target writes its config"

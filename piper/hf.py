@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import difflib
 import fnmatch
+import itertools
 import json
 from pathlib import Path
 from typing import Any
@@ -154,7 +155,7 @@ def _sequence_entries(config: Any, under: str, plan: tuple[tuple[str, str], ...]
     rotary angles, position ids) still sees the whole sequence. None without a layer list
     followed by a module in `base_model_pp_plan`."""
     order = list(getattr(config, "base_model_pp_plan", None) or {})
-    after = {a: b for a, b in zip(order, order[1:])}
+    after = dict(itertools.pairwise(order))
     split = [k for k, v in plan if v in ("colwise", "rowwise")]
     blocks = sorted({k.rpartition(".")[0] for k in split})
     lists = {b.split(".*", 1)[0] for b in blocks if ".*" in b}

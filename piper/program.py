@@ -23,8 +23,8 @@ from piper.directives import (
     from_dict,
 )
 from piper.directives.order import apply_orders
-from piper.directives.recompute import recompute_value
 from piper.directives.place import apply_places
+from piper.directives.recompute import recompute_value
 from piper.errors import DirectiveError, PiperError
 from piper.pyfile import import_user_file
 

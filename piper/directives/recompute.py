@@ -8,7 +8,6 @@ from piper.dag import TrainingDAG
 from piper.directives.base import Directive
 from piper.errors import DirectiveError
 
-
 POLICIES = ("full", "attention", "op")
 """What a recomputed stage keeps for backward (`Recompute.policy`)."""
 _ALIASES = {"selective": "attention", "core_attn": "attention", True: "full"}

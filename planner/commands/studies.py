@@ -21,10 +21,8 @@ def show(args: argparse.Namespace) -> int:
 
 def export(args: argparse.Namespace) -> int:
     from planner.report.studies import export as export_trial
-    from planner.report.studies import load
+    from planner.report.studies import export_to, load
     from planner.report.tables import predicted_line, summary_line
-
-    from planner.report.studies import export_to
 
     study = load(args.storage, args.study_name)
     if args.to:

@@ -102,7 +102,7 @@ def _assigned(tree: ast.Module, value: ast.expr) -> set[str]:
 if __name__ == "__main__":
     root = Path(sys.argv[1])
     commit = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True,
-                            text=True).stdout.strip() or "unknown"
+                            text=True, check=False).stdout.strip() or "unknown"
     json.dump({"source": "NVIDIA/Megatron-LM megatron/training/arguments.py", "commit": commit,
                "options": sorted(options(root))}, sys.stdout, indent=0)
     print()

@@ -90,8 +90,8 @@ def torchtitan_config(lay: Layout) -> Exported:
     }
     nodes = max(1, lay.gpus // 8)
     head = [f"# torchtitan job config written by piper-plan ({lay.gpus} devices)",
-            f"# launch: torchrun --nnodes {nodes} --nproc_per_node {min(lay.gpus, 8)} "
-            "-m torchtitan.train --job.config_file THIS_FILE",
+            (f"# launch: torchrun --nnodes {nodes} --nproc_per_node {min(lay.gpus, 8)} "
+             "-m torchtitan.train --job.config_file THIS_FILE"),
             *(f"# note: {n}" for n in notes), ""]
     return Exported("\n".join(head) + toml(sections), tuple(notes))
 

@@ -8,6 +8,7 @@ size and batch arithmetic agree with the strategy, and reading a config back (`s
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import json
 import shlex
 import sys
@@ -38,7 +39,7 @@ def _stages(n: int) -> list[list[str]]:
     """examples/llama.py's 34 regions in `n` stages: the embedding and head beside layers."""
     regions = ["embed", *(f"layer.{i}" for i in range(32)), "head"]
     cuts = [round(i * len(regions) / n) for i in range(n + 1)]
-    return [regions[a:b] for a, b in zip(cuts, cuts[1:])]
+    return [regions[a:b] for a, b in itertools.pairwise(cuts)]
 
 
 # name: (schedule, pp, virtual stages, dp, tp, zero, microbatches, recompute)
@@ -118,7 +119,7 @@ def test_megatron_arguments_are_its_options_and_add_up(name, spec):
     flags = [a for a in args if a.startswith("--")]
     unknown = set(flags) - set(MEGATRON["options"])
     assert not unknown, f"not options of Megatron-LM {MEGATRON['commit'][:10]}: {unknown}"
-    value = {a: b for a, b in zip(args, args[1:]) if a.startswith("--")}
+    value = {a: b for a, b in itertools.pairwise(args) if a.startswith("--")}
     tp, pp = int(value["--tensor-model-parallel-size"]), int(
         value["--pipeline-model-parallel-size"])
     mbs, gbs = int(value["--micro-batch-size"]), int(value["--global-batch-size"])

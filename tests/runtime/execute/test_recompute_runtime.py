@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import piper
+from cost_models.saved import saved_bytes
 from piper import schedules
 from piper.model_file import load_model_file
 from runtime.cluster.launcher import run
@@ -19,7 +20,6 @@ from runtime.execute.stage_module import StageModule, build_stage
 from runtime.execute.weight_grad import WeightGradStore, collecting, defer_weight_grads
 from runtime.execute.zero import storage_key
 from runtime.lowering.lower import lower
-from cost_models.saved import saved_bytes
 from tests.conftest import GPT, ROOT
 
 STAGES = [["embed", "layer.0", "layer.1"], ["layer.2", "layer.3", "head"]]

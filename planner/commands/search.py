@@ -161,6 +161,7 @@ def search(args: argparse.Namespace) -> int:
         f"{files['trials'].name} (every trial) and {files['summary'].name}")
     for w in warnings:
         log(f"warning: {w}")
+    default = _target_default(args.target, ev, b) if args.target else None
     said = accuracy_line(cluster.name)
     log(said)
     if args.json:
@@ -181,6 +182,8 @@ def search(args: argparse.Namespace) -> int:
             "warnings": warnings,
             "accuracy": said,
         }
+        if default is not None:
+            obj["target_default"] = default
         if measured:
             winner = measured[0]
             if winner.median_s is not None:
@@ -191,3 +194,24 @@ def search(args: argparse.Namespace) -> int:
     else:
         print(b.program.to_python([f"best of {result.trials} trials: {summary_line(b.summary)}"]))
     return EXIT_OK
+
+
+def _target_default(target: str, ev: Any, best: Any) -> dict[str, Any] | None:
+    """The framework's own default recipe for the model, in the same simulator, against the
+    targeted search's pick: said on stderr, returned for --json."""
+    from cost_models import predicted_json
+    from planner.commands.common import log
+    from planner.report.frameworks.recipes import best_recipe
+    from planner.report.tables import predicted_line
+    from planner.search.space import layer_units_mb
+
+    found = best_recipe(target, ev, layer_units_mb(ev))
+    if found is None:
+        log(f"{target}'s default recipes: none fits or applies to this model and cluster")
+        return None
+    label, e = found
+    pred = predicted_json(e.prediction)
+    gain = pred["step_time_s"] / best.predicted["step_time_s"]
+    log(f"{target}'s default for this model ({label}): {predicted_line(pred)}\n"
+        f"      the pick is {gain:.2f}x its speed")
+    return {"label": label, "summary": e.summary, "predicted": pred, "speedup": gain}

@@ -224,9 +224,11 @@ def test_a_targeted_search_tries_only_what_the_framework_runs(target, tmp_path, 
     out = tmp_path / target
     argv = ["search", LLAMA, "--model-arg", "size=tiny", "--gpus", "4", "--batch-size", "8",
             "--cluster", "h100-80gb", "--trials", "12", "--seed", "0", "--out", str(out),
-            "--target", target]
+            "--target", target, "--json"]
     assert main(argv) == 0
-    capsys.readouterr()
+    said = json.loads(capsys.readouterr().out)
+    default = said["target_default"]  # the framework's own recipe, in the same simulator
+    assert default["predicted"]["step_time_s"] > 0 and default["speedup"] > 0
     rows = list(csv.DictReader((out / "trials.csv").open()))
     assert rows
     for r in rows:

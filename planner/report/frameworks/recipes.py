@@ -1,0 +1,89 @@
+"""Each framework's own default recipe for a model's size, priced in the same simulator, so
+a targeted search (`search --target`) says how much its pick gains over what the framework
+would run by default.
+
+- torchtitan (torchtitan/models/llama3/train_configs; docs/composability): FSDP over every
+  device, one unit per transformer block; from 20B parameters FSDP + TP 8 (with SP, as its
+  TP plan does); from 200B also PP 8 (1F1B);
+- Megatron-LM (Megatron-Bridge's DGX-H100 performance recipes, ../shared/published/
+  gpu_runs.md section 6b): below 20B tp1; below 200B tp4 pp8 vp5 (its 70B recipe); above,
+  tp8 pp8 vp8 (405B), with SP and the distributed optimizer;
+- DeepSpeed: ZeRO-3 over every device.
+
+Each at its fastest microbatch of 1, 2, 4 or 8 samples that fits, with and without full
+recompute (as a user tunes a recipe first).
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from typing import Any
+
+from piper.errors import PiperError
+from search_spaces import Infeasible
+
+
+@dataclass(frozen=True)
+class Recipe:
+    label: str
+    tp: int
+    pp: int
+    zero: int
+    schedule: str = "1f1b"
+    v: int = 1
+    units: bool = False  # FSDP units of one transformer block
+
+
+def recipes(target: str, params: float) -> list[Recipe]:
+    """`target`'s default layouts for a model of `params` parameters."""
+    if target == "torchtitan":
+        if params < 20e9:
+            return [Recipe("torchtitan's default: FSDP", 1, 1, 3, units=True)]
+        if params < 200e9:
+            return [Recipe("torchtitan's default: FSDP + TP 8", 8, 1, 3, units=True)]
+        return [Recipe("torchtitan's default: FSDP + TP 8 + PP 8", 8, 8, 3, units=True)]
+    if target == "megatron":
+        if params < 20e9:
+            return [Recipe("Megatron's recipe: tp1", 1, 1, 1)]
+        if params < 200e9:
+            return [Recipe("Megatron's recipe: tp4 pp8 vp5", 4, 8, 1, "interleaved-1f1b", 5)]
+        return [Recipe("Megatron's recipe: tp8 pp8 vp8", 8, 8, 1, "interleaved-1f1b", 8)]
+    return [Recipe("DeepSpeed's default: ZeRO-3", 1, 1, 3)]
+
+
+def best_recipe(target: str, evaluator: Any, unit_mb: float) -> tuple[str, Any] | None:
+    """(label, Evaluation) of the fastest fitting default recipe of `target` for the
+    evaluator's model, or None where none fits or applies (a layout that does not divide the
+    devices or the batch, a model without enough layers)."""
+    from planner.search.strategy import shorthand_program
+
+    ev = evaluator
+    params = sum(ev.costs.params)
+    best = None
+    for r in recipes(target, params):
+        if ev.gpus % (r.tp * r.pp):
+            continue
+        dp = ev.gpus // (r.tp * r.pp)
+        for mbs in (1, 2, 4, 8):
+            if ev.batch_size % (dp * mbs):
+                continue
+            for recompute in (False, True):
+                args = argparse.Namespace(
+                    pp=r.pp, dp=dp, tp=r.tp, ep=1, zero=r.zero if dp > 1 else 0,
+                    schedule=r.schedule if r.pp > 1 else "none",
+                    virtual_stages=r.v if r.v > 1 else None,
+                    microbatches=ev.batch_size // (dp * mbs), recompute=recompute,
+                    bucket_mb=unit_mb if r.units and dp > 1 else None,
+                    comm_stream=dp > 1 and r.zero < 3, sp=r.tp > 1)
+                try:
+                    e = ev.evaluate(shorthand_program(args, ev.gpus, ev.graph.names,
+                                                      ev.region_costs()))
+                except (PiperError, Infeasible):  # the layout does not fit this model
+                    continue
+                p = e.prediction
+                if p.max_memory_bytes > ev.cluster.memory_bytes:
+                    continue
+                if best is None or p.step_time_s < best[1].prediction.step_time_s:
+                    best = (f"{r.label}, mb {mbs}" + (", recompute" if recompute else ""), e)
+    return best

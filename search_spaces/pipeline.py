@@ -85,6 +85,10 @@ class PipelineSpace(SearchSpace):
     sp_with_tp: bool = False
     """Every point with tp > 1 runs sequence parallelism (torchtitan's TP always does)."""
     max_zero_in_pipeline: int = 3
+    unit_layer_mb: float = 0
+    """Nonzero: data-parallel collectives in units of one transformer block of this many
+    MiB (fp32, whole) split tp ways, on every point: torchtitan's FSDP wrapping, instead of
+    the bucket sizes `buckets` tries."""
     """The highest ZeRO stage a point with pp > 1 may run (DeepSpeed's pipeline engine: 1;
     Megatron-LM's FSDP path runs without a pipeline: 1)."""
 
@@ -190,6 +194,10 @@ class PipelineSpace(SearchSpace):
         grid's optimum; BENCHMARKS.md). So a search scores every size that fits for each
         point it samples and keeps the fastest (`planner.search.loop.score`), and the grid's
         optimum is over the whole product all the same."""
+        if self.unit_layer_mb and (self.gpus // (point["pp"] * point.get("tp", 1))) > 1:
+            unit = {**point, "bucket_mb": round(self.unit_layer_mb / point.get("tp", 1), 3)}
+            return [{**unit, "sp": True} if self.sp_with_tp and point.get("tp", 1) > 1
+                    else unit]
         out = [point]
         for b in self.buckets:
             other = {**point, "bucket_mb": b}

@@ -62,7 +62,7 @@ def target_space(space: PipelineSpace, target: str, evaluator: Evaluator) -> Pip
     limits = dict(TARGETS[target])
     units = limits.pop("units", None)
     if units == "layer":
-        limits["buckets"] = (round(layer_units_mb(evaluator), 3),)
+        limits["unit_layer_mb"] = layer_units_mb(evaluator)
     for name in ("zeros", "tps", "eps", "recomputes"):
         if name in limits:
             limits[name] = tuple(v for v in limits[name] if v in getattr(space, name))

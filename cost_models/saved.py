@@ -24,11 +24,11 @@ from dataclasses import dataclass
 
 import torch
 
-from piper.capture import Captured, to_meta
+from piper.capture import Captured
 from piper.directives.recompute import POLICIES
 from runtime.execute.memory import SavedTensors
 from runtime.execute.recompute import checkpointing
-from runtime.execute.selective import segments
+from runtime.execute.selective import meta_args, segments
 from runtime.execute.stage_module import StageModule, build_stage
 
 _META = torch.device("meta")
@@ -104,18 +104,10 @@ def _selective(captured: Captured, sm: StageModule, policy: str
 
 
 def _inputs(sm: StageModule) -> tuple[list[torch.Tensor], set[int]]:
-    """Meta tensors for `sm`'s inputs as training sees them (floating parameters and
-    activations require grad) and the model state's storages among them."""
-    placeholders = [n for n in sm.module.graph.nodes if n.op == "placeholder"]
-    args, state = [], set()
-    for (kind, _), node in zip(sm.inputs, placeholders, strict=True):
-        t = _meta_like(node.meta.get("val"))
-        if kind in ("param", "act") and t.is_floating_point():
-            t.requires_grad_(True)
-        if kind in ("param", "buffer"):
-            state.add(_storage(t))
-        args.append(t)
-    return args, state
+    """Meta tensors for `sm`'s inputs as training sees them, and the model state's
+    storages among them (`runtime.execute.selective.meta_args`, as the runtime's `op`
+    policy measures)."""
+    return meta_args(sm.module, [kind for kind, _ in sm.inputs])
 
 
 def _output_tail(captured: Captured, sm: StageModule, outs: dict[str, torch.Tensor],
@@ -175,12 +167,6 @@ def _flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 _flash_attention._piper_attention = True  # type: ignore[attr-defined]
 """`runtime.execute.selective.is_attention` knows it for the attention policy."""
-
-
-def _meta_like(val: object) -> torch.Tensor:
-    if not isinstance(val, torch.Tensor):
-        raise TypeError(f"stage input without a tensor shape: {val!r}")
-    return to_meta(val)
 
 
 def _storage(t: torch.Tensor) -> int:

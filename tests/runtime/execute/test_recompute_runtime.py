@@ -25,10 +25,10 @@ from tests.conftest import GPT, ROOT
 STAGES = [["embed", "layer.0", "layer.1"], ["layer.2", "layer.3", "head"]]
 
 
-@pytest.fixture(scope="module")
-def first_stage() -> tuple[piper.Captured, StageModule, list[torch.Tensor]]:
-    """The tiny GPT's first stage (embed, layer.0, layer.1) with real parameters and tokens."""
-    spec = load_model_file(GPT, (("size", "tiny"),))
+def _first_stage(model: str) -> tuple[piper.Captured, StageModule, list[torch.Tensor]]:
+    """`model`'s tiny config, its first stage (embed, layer.0, layer.1) with real parameters
+    and tokens."""
+    spec = load_model_file(model, (("size", "tiny"),))
     cap = piper.capture(spec, 2)
     torch.manual_seed(0)
     params = dict(spec.build().named_parameters(remove_duplicate=False))
@@ -36,6 +36,12 @@ def first_stage() -> tuple[piper.Captured, StageModule, list[torch.Tensor]]:
     sm = build_stage(cap, {0, 1, 2}, torch.device("cpu"))
     args = [params[key] if kind == "param" else inputs[key] for kind, key in sm.inputs]
     return cap, sm, args
+
+
+@pytest.fixture(scope="module")
+def first_stage() -> tuple[piper.Captured, StageModule, list[torch.Tensor]]:
+    """The tiny GPT's first stage."""
+    return _first_stage(GPT)
 
 
 def _step(sm: StageModule, args: list[torch.Tensor], deferred: bool
@@ -103,13 +109,7 @@ def test_recompute_lowers_the_measured_activation_peak_of_the_same_plan(ray_sess
 def llama_stage() -> tuple[piper.Captured, StageModule, list[torch.Tensor], object]:
     """The tiny Llama's first stage (embed, layer.0, layer.1: RMSNorm, rotary embeddings,
     SwiGLU) with real parameters and tokens, and the memory model's figures for it."""
-    spec = load_model_file(str(ROOT / "examples" / "llama.py"), (("size", "tiny"),))
-    cap = piper.capture(spec, 2)
-    torch.manual_seed(0)
-    params = dict(spec.build().named_parameters(remove_duplicate=False))
-    inputs, _ = spec.batch(2)
-    sm = build_stage(cap, {0, 1, 2}, torch.device("cpu"))
-    args = [params[key] if kind == "param" else inputs[key] for kind, key in sm.inputs]
+    cap, sm, args = _first_stage(str(ROOT / "examples" / "llama.py"))
     return cap, sm, args, saved_bytes(cap)
 
 

@@ -33,10 +33,12 @@ from torch.export.graph_signature import InputKind
 
 from piper.annotate import TAG_KEY, counting_regions
 from piper.capture_errors import export_failure, failing_module, user_frame
+from piper.context_parallel import sequence_of
 from piper.errors import PiperError
 from piper.model_file import ModelSpec
 from piper.moe import expert_modules
 from piper.regions import AutoRegions, annotate_automatically
+from piper.sequence_split import local_example, split_sequence
 from piper.sharding import ModelSharding
 
 
@@ -149,7 +151,8 @@ class Captured:
 
 
 def capture(spec: ModelSpec, batch: int, sharding: ModelSharding | None = None, *,
-            prepare: Callable[[torch.nn.Module], None] | None = None) -> Captured:
+            prepare: Callable[[torch.nn.Module], None] | None = None,
+            exact: bool = False) -> Captured:
     """Trace `spec`'s model on meta at microbatch size `batch`; no real memory is touched.
 
     With `sharding`, the model is first cut to one rank's tensor/expert-parallel slice, so
@@ -158,10 +161,17 @@ def capture(spec: ModelSpec, batch: int, sharding: ModelSharding | None = None, 
     identical layers, see `planner.search.repeats`, because tracing time grows with op count).
     A model whose forward enters no region is traced again with automatic regions
     (`piper.regions`); `Captured.auto` then says what they are.
+    With context parallelism (`sharding.cp`) the model is traced on one rank's share of the
+    sequence and rewritten for it (`piper.sequence_split`); `exact` (the runtime's
+    capture) also proves that each attention mask it drops is the causal one.
     """
     model, ep, targets, auto = _export(spec, batch, sharding, prepare, automatic=False)
     if not any(_tag(n) for n in ep.graph.nodes if n.op == "call_function"):
         model, ep, targets, auto = _export(spec, batch, sharding, prepare, automatic=True)
+    if sharding is not None and sharding.cp > 1:
+        local = sequence_of(ep.example_inputs)
+        split_sequence(ep.graph_module, local, sharding.cp, sharding.cp_mode, exact=exact,
+                       where=f"{spec.path}: ")
     cap = _regions(ep, spec.path, batch)
     return replace(cap, graph=replace(cap.graph, **_modules(model, cap.graph),
                                       tp_plan=spec.tp_plan),
@@ -191,7 +201,7 @@ def _export(spec: ModelSpec, batch: int, sharding: ModelSharding | None,
         # `x.device.type` (Hugging Face's MoE kernels) takes a branch that can run
         with FakeTensorMode(allow_non_fake_inputs=False):
             _fake_state(model, TRACE_DEVICE)
-            args, kwargs, targets = spec.example(batch)
+            args, kwargs, targets = local_example(spec, batch, sharding)
             if sharding is not None:
                 sharding.apply(model, 0, 0)
     except PiperError:
@@ -329,7 +339,7 @@ def _run_fresh(spec: ModelSpec, batch: int, sharding: ModelSharding | None,
     seen["model"] = model
     with FakeTensorMode(allow_non_fake_inputs=False):
         _fake_state(model, TRACE_DEVICE)
-        args, kwargs, _ = spec.example(batch)
+        args, kwargs, _ = local_example(spec, batch, sharding)
         if sharding is not None:
             sharding.apply(model, 0, 0)
         with counting_regions():

@@ -24,6 +24,7 @@ from piper import lanes
 
 TP_GROUP = 0  # the ranks that hold shards of the same tensor-parallel layers
 EP_GROUP = 1  # the ranks that exchange tokens for one set of experts
+CP_GROUP = 2  # the ranks that hold parts of the same sequences (context parallelism)
 
 _groups: dict[tuple[int, int], Any] = {}
 
@@ -34,7 +35,8 @@ def bind_group(key: int, group: Any, lane: int = 0) -> None:
     _groups[(key, lane)] = group
 
 
-def _group(key: int) -> Any:
+def bound_group(key: int) -> Any:
+    """The process group bound to `key` for this thread's lane."""
     at = (key, lanes.current())
     if at not in _groups:
         raise RuntimeError(f"no process group bound to in-graph collective key {key} "
@@ -61,7 +63,7 @@ def _on_wire(x: torch.Tensor) -> torch.Tensor:
 def _all_reduce(x: torch.Tensor, key: int) -> torch.Tensor:
     out = _on_wire(x)
     out = out.clone() if out.data_ptr() == x.data_ptr() else out
-    group = _group(key)
+    group = bound_group(key)
     with lanes.waiting():
         dist.all_reduce(out, group=group)
     return out.to(x.dtype)
@@ -70,7 +72,7 @@ def _all_reduce(x: torch.Tensor, key: int) -> torch.Tensor:
 def _all_to_all(x: torch.Tensor, key: int) -> torch.Tensor:
     src = _on_wire(x)
     out = torch.empty_like(src)
-    group = _group(key)
+    group = bound_group(key)
     with lanes.waiting():
         dist.all_to_all_single(out, src, group=group)
     return out.to(x.dtype)
@@ -130,7 +132,7 @@ all_to_all.register_autograd(lambda ctx, g: (_all_to_all(g, ctx.group), None),
 def tp_gather(x: torch.Tensor, group: int, degree: int) -> torch.Tensor:
     src = _on_wire(x)
     parts = [torch.empty_like(src) for _ in range(degree)]
-    g = _group(group)
+    g = bound_group(group)
     with lanes.waiting():
         dist.all_gather(parts, src, group=g)
     return torch.cat(parts, dim=-1).to(x.dtype)
@@ -146,7 +148,7 @@ def _keep_degree(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
 
 
 def _own_slice(ctx: Any, g: torch.Tensor) -> tuple:
-    index = dist.get_rank(_group(ctx.group))
+    index = dist.get_rank(bound_group(ctx.group))
     return g.chunk(ctx.degree, dim=-1)[index].contiguous(), None, None
 
 
@@ -159,7 +161,7 @@ tp_gather.register_autograd(_own_slice, setup_context=_keep_degree)
 def _seq_gather(x: torch.Tensor, key: int, degree: int) -> torch.Tensor:
     src = _on_wire(x.transpose(0, 1))  # [s/t, b, ...], contiguous
     out = src.new_empty((src.shape[0] * degree, *src.shape[1:]))
-    g = _group(key)
+    g = bound_group(key)
     with lanes.waiting():
         dist.all_gather_single(out, src, group=g)
     return out.transpose(0, 1).to(x.dtype)
@@ -168,7 +170,7 @@ def _seq_gather(x: torch.Tensor, key: int, degree: int) -> torch.Tensor:
 def _seq_scatter(x: torch.Tensor, key: int, degree: int) -> torch.Tensor:
     src = _on_wire(x.transpose(0, 1))  # [s, b, ...], contiguous
     out = src.new_empty((src.shape[0] // degree, *src.shape[1:]))
-    g = _group(key)
+    g = bound_group(key)
     with lanes.waiting():
         dist.reduce_scatter_single(out, src, group=g)
     return out.transpose(0, 1).to(x.dtype)
@@ -209,7 +211,7 @@ sp_scatter.register_autograd(
 # builds its causal mask and rotary angles from the embeddings' length, so the sequence is
 # split at the first layer and gathered whole again before the final norm)
 def _own_sequence(x: torch.Tensor, key: int, degree: int) -> torch.Tensor:
-    index = dist.get_rank(_group(key))
+    index = dist.get_rank(bound_group(key))
     return x.chunk(degree, dim=1)[index].contiguous()
 
 

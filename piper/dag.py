@@ -168,12 +168,12 @@ class TrainingDAG:
 
     @property
     def ranks(self) -> int:
-        """Ranks the DAG's nodes run on; each is `tp` devices running the same tasks."""
+        """Ranks the DAG's nodes run on; each is `cp * tp` devices running the same tasks."""
         return self.pp * self.dp
 
     @property
     def world_size(self) -> int:
-        return self.pp * self.dp * self.sharding.tp
+        return self.pp * self.dp * self.sharding.cp * self.sharding.tp
 
     @property
     def replicas(self) -> tuple[int, ...]:

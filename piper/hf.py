@@ -5,8 +5,8 @@ The only module of piper-plan that imports transformers (the `hf` extra). The mo
 as transformers declares it: regions from `base_model_pp_plan` (the entry that is a list of
 blocks gives `layer.0..N-1`, what runs before them `embed`, after them `head`, lm_head with
 it), tensor parallelism from `base_model_tp_plan`. The batch is `--batch-size` sequences of
-`--seq-len` random tokens, with `labels` = `input_ids`: the model computes the causal-LM
-loss itself (shifted inside), so no loss function is needed.
+`--seq-len` random tokens, with the next tokens as `shift_labels` (and `labels`): the model
+computes the causal-LM loss itself, so no loss function is needed.
 """
 
 from __future__ import annotations
@@ -74,12 +74,15 @@ def load_hf_model(path: str | Path, model_args: tuple[tuple[str, Any], ...] = ()
         return _with_regions(model, config)
 
     def example_batch(batch_size: int) -> tuple[dict[str, torch.Tensor], None]:
-        ids = torch.randint(0, vocab, (batch_size, seq))
-        return {"input_ids": ids, "labels": ids}, None
+        return from_tokens(torch.randint(0, vocab, (batch_size, seq + 1)))
 
     def from_tokens(windows: torch.Tensor) -> tuple[dict[str, torch.Tensor], None]:
-        ids = windows[:, :-1]  # the model shifts its labels itself: the last token is unused
-        return {"input_ids": ids, "labels": ids}, None
+        # each position's target is the next token, given already shifted (`shift_labels`,
+        # which transformers' causal-LM loss takes instead of shifting `labels` itself):
+        # every token is a target, and a rank holding part of a sequence (context
+        # parallelism) holds its tokens' targets, with no shift across its chunks
+        ids, nxt = windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
+        return {"input_ids": ids, "labels": nxt, "shift_labels": nxt}, None
 
     return ModelSpec(
         path=str(path), model_args=model_args, build_model=build_model,

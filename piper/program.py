@@ -16,6 +16,7 @@ from piper.directives import (
     Recompute,
     Replicate,
     Shard,
+    ShardSequence,
     ShardTensor,
     Split,
     SplitBackward,
@@ -94,6 +95,7 @@ class Program:
             "sp": any(isinstance(d, ShardTensor) and d.sequence_parallel
                       for d in self.directives),
             "ep": next((d.degree for d in self.directives if isinstance(d, Shard)), 1),
+            "cp": next((d.degree for d in self.directives if isinstance(d, ShardSequence)), 1),
             "zero": rep[0].zero if rep else 0,
             "schedule": self.name,
             "virtual_stages": max(1, len(stages) // pp),

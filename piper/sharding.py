@@ -25,13 +25,18 @@ class ModelSharding:
     sp: bool = False
     """Sequence parallelism (Megatron): between tensor-parallel blocks each rank holds 1/tp of
     the sequence; gathers and reduce-scatters replace the f/g all-reduces."""
+    cp: int = 1
+    """Context parallelism: each of `cp` ranks holds its share of every sequence through the
+    whole model (`piper.context_parallel`); the modules are not changed, the capture is."""
+    cp_mode: str = "ring"  # how attention exchanges keys and values: ring or all_gather
 
     @property
     def trivial(self) -> bool:
-        return self.tp == 1 and self.ep == 1
+        return self.tp == 1 and self.ep == 1 and self.cp == 1
 
     def describe(self) -> str:
-        return f"tp={self.tp}{' sp' if self.sp else ''} ep={self.ep}"
+        cp = f" cp={self.cp} {self.cp_mode}" if self.cp > 1 else ""
+        return f"tp={self.tp}{' sp' if self.sp else ''} ep={self.ep}{cp}"
 
     def apply(self, model: nn.Module, tp_rank: int, ep_rank: int) -> nn.Module:
         shard_linears(model, self.tp_plan, self.tp, tp_rank, self.sp)

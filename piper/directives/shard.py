@@ -43,6 +43,9 @@ class Shard(Directive):
             raise DirectiveError(index, self, "degree must be an int >= 1")
         if dag.sharding.ep != 1 or dag.ordered:
             raise DirectiveError(index, self, "Shard must come once, before Order")
+        if dag.sharding.cp != 1:
+            raise DirectiveError(index, self, "expert parallelism with context parallelism "
+                                 "(ShardSequence) is not supported")
         experts = dag.model.experts
         names: list[str] = []
         for pat in self.regions:

@@ -18,12 +18,18 @@ def fmt_bytes(n: float) -> str:
     return f"{n / GIB:.2f} GiB" if n >= 0.1 * GIB else f"{n / 1024**2:.1f} MiB"
 
 
+def cp_text(s: dict[str, Any]) -> str:
+    """` cp=N` when a strategy splits sequences (nothing otherwise: older summaries have no
+    cp)."""
+    return f" cp={s['cp']}" if s.get("cp", 1) > 1 else ""
+
+
 def summary_line(s: dict[str, Any]) -> str:
     """A strategy in one line; a schedule is named only where there is one to name."""
     schedule = (f"schedule={s['schedule']} v={s['virtual_stages']} "
                 if s["schedule"] != NO_PIPELINE else "")
     return (f"dp={s['dp']} pp={s['pp']} tp={s['tp']}{' sp' if s.get('sp') else ''} "
-            f"ep={s['ep']} zero={s['zero']} {schedule}mb={s['microbatches']}"
+            f"ep={s['ep']}{cp_text(s)} zero={s['zero']} {schedule}mb={s['microbatches']}"
             + (" recompute" if s["recompute"] is True
                else f" recompute={s['recompute']}" if s["recompute"] else "")
             + (" comm-stream" if s.get("comm_stream") else "")

@@ -11,25 +11,30 @@ from search_spaces.partition import balanced_stages
 
 
 def degrees(args: argparse.Namespace, gpus: int) -> tuple[int, int, int, int]:
-    """(pp, dp, tp, ep) from the flags; every mismatch names all degrees."""
+    """(pp, dp, tp, ep) from the flags (`--cp` takes its share of `gpus` first); every
+    mismatch names all degrees."""
     pp, dp = args.pp, args.dp
     tp, ep = getattr(args, "tp", None) or 1, getattr(args, "ep", None) or 1
+    cp = getattr(args, "cp", None) or 1
     for name, v in (("--pp", pp), ("--dp", dp), ("--tp", getattr(args, "tp", None)),
-                    ("--ep", getattr(args, "ep", None)),
+                    ("--ep", getattr(args, "ep", None)), ("--cp", getattr(args, "cp", None)),
                     ("--microbatches", args.microbatches)):
         if v is not None and v < 1:
             raise PiperError(f"{name} must be >= 1, got {v}")
-    if gpus % tp:
-        raise PiperError(f"--tp {tp} does not divide --gpus {gpus}")
-    rest = gpus // tp
+    if gpus % (tp * cp):
+        what = f"--tp {tp} x --cp {cp}" if cp > 1 else f"--tp {tp}"
+        raise PiperError(f"{what} does not divide --gpus {gpus}")
+    rest = gpus // (tp * cp)
     if pp is None and dp is None:
         pp, dp = 1, rest
     elif pp is None:
         pp = rest // dp if rest % dp == 0 else -1
     elif dp is None:
         dp = rest // pp if rest % pp == 0 else -1
-    if pp < 1 or dp < 1 or pp * dp * tp != gpus:
-        raise PiperError(f"pp={args.pp} x dp={args.dp} x tp={tp} does not make --gpus {gpus}")
+    if pp < 1 or dp < 1 or pp * dp * tp * cp != gpus:
+        cps = f" x cp={cp}" if cp > 1 else ""
+        raise PiperError(f"pp={args.pp} x dp={args.dp}{cps} x tp={tp} does not make --gpus "
+                         f"{gpus}")
     if dp % ep:
         raise PiperError(f"--ep {ep} must divide the data-parallel degree dp={dp}: expert "
                          "parallelism splits the experts over data-parallel replicas")
@@ -68,7 +73,12 @@ def shorthand_program(args: argparse.Namespace, gpus: int, regions: tuple[str, .
     if sp and tp == 1:
         raise PiperError("--sp (sequence parallelism) splits the sequence over the "
                          "tensor-parallel group: it needs --tp > 1")
-    prog = schedules.shard(prog, tp=tp, ep=ep, expert_regions=expert_regions, sp=sp)
+    cp = getattr(args, "cp", None) or 1
+    if cp > 1 and ep > 1:
+        raise PiperError("--cp with --ep: context parallelism with expert parallelism is "
+                         "not supported")
+    prog = schedules.shard(prog, tp=tp, ep=ep, expert_regions=expert_regions, sp=sp, cp=cp,
+                           cp_attention=getattr(args, "cp_attention", None) or "ring")
     bucket = getattr(args, "bucket_mb", None)
     if bucket is not None:
         if not bucket > 0:
@@ -92,6 +102,13 @@ def add_shorthand_flags(p: argparse.ArgumentParser) -> None:
                    "layers each rank keeps 1/tp of the sequence")
     g.add_argument("--ep", type=int, help="expert-parallel degree (splits piper.Experts "
                    "over data-parallel replicas)")
+    g.add_argument("--cp", type=int, help="context-parallel degree: each rank keeps 1/cp "
+                   "of every sequence (two chunks, one from each end) and attention "
+                   "exchanges keys and values")
+    g.add_argument("--cp-attention", choices=["ring", "all_gather"], default=None,
+                   help="how context-parallel attention exchanges keys and values: ring "
+                   "(passed round, overlapped with compute; default) or all_gather "
+                   "(Llama 3's)")
     g.add_argument("--zero", type=int, choices=[0, 1, 2, 3],
                    help="ZeRO stage of the data-parallel replicas (default 0)")
     g.add_argument("--schedule", choices=sorted([*schedules.SCHEDULES, schedules.NO_PIPELINE]),

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from piper.capture import capture
-from piper.collectives import EP_GROUP, TP_GROUP, bind_group
+from piper.collectives import CP_GROUP, EP_GROUP, TP_GROUP, bind_group
 from piper.loading import load_model
 from piper.shipped import local_path
 from runtime.cluster.progress import Reporter
@@ -87,20 +87,23 @@ class Worker:
                                 timeout=timeout)
         mesh = plan.mesh
         groups = process_groups(plan, timeout, store)
-        logical, t = mesh.split(self.rank)
+        logical, i = mesh.split(self.rank)
         for lane in (0, 1) if plan.paired else (0,):
             def group(g: tuple[int, ...], lane: int = lane) -> Any:
                 return groups[(PAIR_STREAM, g) if lane else g]
 
             if mesh.tp > 1:
-                bind_group(TP_GROUP, group(mesh.tp_group(logical)), lane)
+                bind_group(TP_GROUP, group(mesh.tp_group(logical, i)), lane)
+            if mesh.cp > 1:
+                bind_group(CP_GROUP, group(mesh.cp_group(logical, i)), lane)
             if mesh.ep > 1:
-                bind_group(EP_GROUP, group(mesh.lift(mesh.ep_group(logical), t)), lane)
+                bind_group(EP_GROUP, group(mesh.lift(mesh.ep_group(logical), i)), lane)
         spec = load_model(*self.model)
         mb = batch_size // (plan.dp * plan.microbatches)
         sharding = None if plan.sharding.trivial else plan.sharding
-        self.ex = RankExecutor(plan, self.rank, spec, capture(spec, mb, sharding), batch_size,
-                               seed, device, groups, train, done)
+        cap = capture(spec, mb, sharding, exact=True)
+        self.ex = RankExecutor(plan, self.rank, spec, cap, batch_size, seed, device, groups,
+                               train, done)
         self.steps = done
         return os.getpid()
 

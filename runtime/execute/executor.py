@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from piper.capture import Captured
 from piper.collectives import set_wire_dtype
+from piper.context_parallel import local_tokens, sequence_of
 from piper.dag import Kind
 from piper.lanes import ComputeToken, computing, lane
 from piper.model_file import ModelSpec
@@ -59,13 +60,15 @@ class RankExecutor(ChunkMath, Checkpointing):
         self.plan = plan
         self.rank = rank
         self.mesh = plan.mesh
-        logical, self.tp_rank = self.mesh.split(rank)
+        # the process's place among its logical rank's: context- and tensor-parallel index
+        logical, self.inner = self.mesh.split(rank)
+        self.cp_rank, self.tp_rank = divmod(self.inner, self.mesh.tp)
         self.rp: RankPlan = plan.ranks[logical]
         self.device = device
         self.groups = groups
         self.spec = spec
         sh = plan.sharding
-        rename = align(captured.graph, plan.model, rank, sh.tp if sh.sp else 1)
+        rename = align(captured.graph, plan.model, rank, (sh.tp if sh.sp else 1) * sh.cp)
         # what crosses stages, as this rank holds it (1/tp of the sequence with sp)
         self.shapes = {b: tuple(captured.graph.value(a).shape) for a, b in rename.items()}
         model = rank_model(spec, captured.graph, plan, self.rp, self.tp_rank, seed, device)
@@ -73,7 +76,7 @@ class RankExecutor(ChunkMath, Checkpointing):
             model = model.to(torch.bfloat16)
         # with expert parallelism the experts follow their own data-parallel group
         experts = {f"{m}.{w}" for m in sh.experts for w in ("w1", "w2")} if sh.ep > 1 else set()
-        self.expert_group = self.mesh.lift(self.mesh.expert_dp_group(logical), self.tp_rank)
+        self.expert_group = self.mesh.lift(self.mesh.expert_dp_group(logical), self.inner)
         params = dict(model.named_parameters(remove_duplicate=False))  # tied: every name
         canon = {id(p): n for n, p in model.named_parameters()}  # a tied weight: first name
         buffers = dict(model.named_buffers())
@@ -131,9 +134,11 @@ class RankExecutor(ChunkMath, Checkpointing):
             self.inputs[s] = fixed
             if self.params[s] and plan.zero:
                 first = self.rp.device * plan.dp
-                ranks = self.mesh.lift(tuple(range(first, first + plan.dp)), self.tp_rank)
+                ranks = self.mesh.dp_lift(tuple(range(first, first + plan.dp)), self.inner)
+                cp = self.mesh.cp  # sharded over dp x cp, as the gradients are summed
                 shard = self.sharded[s] = ShardedStage(
-                    self.params[s], plan.zero, groups[ranks], self.rp.replica, plan.dp,
+                    self.params[s], plan.zero, groups[ranks],
+                    self.rp.replica * cp + self.cp_rank, plan.dp * cp,
                     plan.bucket_bytes, train.grad_reduce_dtype, train.compute_dtype)
                 if unit_gathers(plan) and len(shard.units) > 1:  # FSDP: two units at most
                     sm, self.unit_gathers[s], inserted = bracketed(sm, {
@@ -166,7 +171,7 @@ class RankExecutor(ChunkMath, Checkpointing):
         del model  # parameters not on this rank are released here
         self.buckets, self.arm_at = stage_buckets(
             plan, self.rp.tasks, self.rp.stream(COMPUTE_STREAM), self.params,
-            lambda t: groups[self.mesh.lift(t.group, self.tp_rank)], train.grad_reduce_dtype)
+            lambda t: groups[self.mesh.dp_lift(t.group, self.inner)], train.grad_reduce_dtype)
         self.early_rs = early_reduce_scatters(plan)
         self.source = BatchSource(spec, batch_size, seed, train.data, train.data_dtype)
         self.eval_source: BatchSource | None = None  # built at the first evaluation
@@ -175,7 +180,8 @@ class RankExecutor(ChunkMath, Checkpointing):
         self.mb_size = per_replica // plan.microbatches
         self.rows = (self.rp.replica * per_replica, (self.rp.replica + 1) * per_replica)
         self.step_index = done
-        self.loss_scale = 1.0 / (plan.dp * plan.microbatches)
+        # each replica's and context-parallel rank's loss is a mean over its own tokens
+        self.loss_scale = 1.0 / (plan.dp * self.mesh.cp * plan.microbatches)
         self.ledger = MemoryLedger(device)
         self.activation_bytes: dict[int, int] = {}  # per stage: what one chunk keeps
         self.streams = DeviceStreams(device, [n for n, _ in self.rp.streams], COMPUTE_STREAM)
@@ -193,7 +199,7 @@ class RankExecutor(ChunkMath, Checkpointing):
     def step(self) -> StepOutcome:
         """One training step: each logical stream of this rank in its own thread (the
         compute stream in this one), synchronised by one event per task."""
-        inputs, targets = self.source.rows(self.step_index, *self.rows)
+        inputs, targets = self._own_tokens(self.source.rows(self.step_index, *self.rows))
         self.batch = tuple(t.to(self.device) for t in inputs)
         self.targets = to_device(targets, self.device)
         st = StepState({t.name: threading.Event() for t in self.rp.tasks})
@@ -245,7 +251,7 @@ class RankExecutor(ChunkMath, Checkpointing):
         total = 0.0
         with torch.no_grad(), self.streams.on(COMPUTE_STREAM), lane(0):
             for b in range(batches):
-                inputs, targets = self.eval_source.rows(b, *self.rows)
+                inputs, targets = self._own_tokens(self.eval_source.rows(b, *self.rows))
                 self.batch = tuple(t.to(self.device) for t in inputs)
                 self.targets = to_device(targets, self.device)
                 st = StepState({})
@@ -258,6 +264,12 @@ class RankExecutor(ChunkMath, Checkpointing):
                 total += st.loss_sum
         has_loss = self.plan.output_stage in self.rp.stages and self.tp_rank == 0
         return total / batches if has_loss else None
+
+    def _own_tokens(self, rows: Any) -> Any:
+        """This rank's share of every sequence under context parallelism (head-tail)."""
+        if self.mesh.cp == 1:
+            return rows
+        return local_tokens(rows, sequence_of(rows), self.cp_rank, self.mesh.cp)
 
     def _run_stream(self, stream: str, tasks: tuple[Task, ...], st: StepState) -> None:
         try:  # the pair lane's in-graph collectives have communicators of their own
@@ -352,7 +364,7 @@ class RankExecutor(ChunkMath, Checkpointing):
             store = grads if task.grad else acts
             for k, v in enumerate(task.values):
                 t = self._wire(store[(v, task.mb)].detach()).contiguous()
-                peer = self.mesh.physical(task.peer, self.tp_rank)
+                peer = self.mesh.physical(task.peer, self.inner)
                 link = self.groups[("p2p", self.rank, peer, task.grad)]
                 st.pending.append((link.isend(t, peer, task.tag + k), t))
         elif task.kind is Kind.RECV:
@@ -400,7 +412,7 @@ class RankExecutor(ChunkMath, Checkpointing):
             info = self.plan.model.value(v)
             buf = torch.empty(self.shapes.get(v, info.shape), device=self.device,
                               dtype=self._wire_dtype(getattr(torch, info.dtype)))
-            peer = self.mesh.physical(task.peer, self.tp_rank)
+            peer = self.mesh.physical(task.peer, self.inner)
             link = self.groups[("p2p", peer, self.rank, task.grad)]
             out.append((link.irecv(buf, peer, task.tag + k), buf))
         return out
@@ -420,6 +432,6 @@ class RankExecutor(ChunkMath, Checkpointing):
     def _reduce(self, params: list[torch.nn.Parameter], group: tuple[int, ...],
                 lifted: bool = False) -> None:
         """Sum gradients over `group` (logical ranks unless `lifted` to processes already)."""
-        ranks = group if lifted else self.mesh.lift(group, self.tp_rank)
+        ranks = group if lifted else self.mesh.dp_lift(group, self.inner)
         # the gradients backward made on the compute stream live until this use ends
         self.streams.keep(reduce_grads(params, self.groups[ranks], self.train.grad_reduce_dtype))

@@ -32,7 +32,7 @@ class Checkpointing:
     def _owner(self, key: Any, name: str) -> bool:
         """Whether this rank's copy of parameter `name` (of optimizer `key`) is the one that
         counts: of a tensor-parallel replicated one, TP rank 0's; of a data-parallel copy,
-        replica 0's (experts: of their expert-data-parallel group); a ZeRO shard is this
+        replica 0's (context-parallel index 0's) (experts: of their expert-data-parallel group); a ZeRO shard is this
         rank's alone; a tied weight counts on its group's first stage."""
         if not (self.slicing.tp_split(name) or self.tp_rank == 0):
             return False
@@ -42,4 +42,4 @@ class Checkpointing:
             return self.rp.replica < self.plan.sharding.ep
         if isinstance(key, tuple) and key[0] == "tied" and name not in self.tie_owner:
             return False
-        return self.rp.replica == 0
+        return self.rp.replica == 0 and self.cp_rank == 0  # context-parallel copies alike

@@ -50,8 +50,8 @@ def own_params(graph: ModelGraph, plan: Plan, rp: RankPlan) -> set[str]:
 def align(got: ModelGraph, plan: ModelGraph, rank: int, sp: int = 1) -> dict[str, str]:
     """This rank's capture's value names -> the plan's. A tensor/expert-parallel capture
     has other parameter shapes and op names, but the same regions and the same tensors
-    crossing between them, in the same order; with sequence parallelism over `sp` ranks
-    those tensors may hold 1/sp of the sequence (dim 1)."""
+    crossing between them, in the same order; with sequence (or context) parallelism over
+    `sp` ranks those tensors may hold 1/sp of the sequence (dim 1)."""
     same = (got.names, got.output_region, [(f.src, f.dst, len(f.values)) for f in got.flows]
             ) == (plan.names, plan.output_region,
                   [(f.src, f.dst, len(f.values)) for f in plan.flows])

@@ -35,8 +35,9 @@ def apply_for(program: Program, dag: TrainingDAG, gpus: int) -> TrainingDAG:
     _check_devices(program, gpus)
     out = program.apply(dag)
     if out.world_size != gpus:
-        raise PiperError(f"strategy needs pp={out.pp} x dp={out.dp} x tp={out.sharding.tp} = "
-                         f"{out.world_size} devices, but --gpus is {gpus}")
+        cp = f" x cp={out.sharding.cp}" if out.sharding.cp > 1 else ""
+        raise PiperError(f"strategy needs pp={out.pp} x dp={out.dp}{cp} x tp={out.sharding.tp}"
+                         f" = {out.world_size} devices, but --gpus is {gpus}")
     return out
 
 
@@ -66,17 +67,19 @@ def lower(spec: ModelSpec, program: Program, gpus: int, batch_size: int) -> Plan
         check_weights(spec)
     plan = schedule(apply_for(program, single_device_dag(capture(spec, mb).graph), gpus))
     if not plan.sharding.trivial:
-        capture_sharded(spec, mb, plan.sharding)
+        capture_sharded(spec, mb, plan.sharding, exact=True)
     return plan
 
 
-def capture_sharded(spec: ModelSpec, batch: int, sharding: ModelSharding) -> Captured:
-    """One rank's tensor/expert-parallel slice of the model, captured on meta; `Infeasible`
-    (a one-line input error) when the model's code does not run at the local shapes."""
+def capture_sharded(spec: ModelSpec, batch: int, sharding: ModelSharding,
+                    exact: bool = False) -> Captured:
+    """One rank's tensor/expert/context-parallel slice of the model, captured on meta;
+    `Infeasible` (a one-line input error) when the model's code does not run at the local
+    shapes (`exact`: as the runtime captures it, see `piper.capture.capture`)."""
     from search_spaces.base import Infeasible
 
     try:
-        return capture(spec, batch, sharding)
+        return capture(spec, batch, sharding, exact=exact)
     except PiperError as e:
         raise Infeasible(split_failure(sharding, e)) from None
 
@@ -86,5 +89,7 @@ def split_failure(sharding: ModelSharding, e: Exception) -> str:
     the model's code (no guessed cause)."""
     asks = ("sequence parallelism runs the code between tensor-parallel layers on 1/tp of "
             "the sequence; attention that needs the whole sequence there cannot" if sharding.sp
+            else "context parallelism runs every op on the rank's share of the sequence"
+            if sharding.cp > 1 and sharding.tp == 1
             else "its code must run with 1/tp of the heads and features of each split layer")
     return f"{sharding.describe()}: the model does not run split this way ({asks}): {e}"

@@ -1,10 +1,13 @@
-"""Where each rank of a Plan runs: logical ranks (pipeline device x replica) times TP.
+"""Where each rank of a Plan runs: logical ranks (pipeline device x replica) times CP x TP.
 
-A Plan has one RankPlan per logical rank `L = device * dp + replica`. Tensor parallelism
-makes each logical rank `tp` processes running the same tasks on their slices: physical rank
-`L * tp + t` (Megatron's layout, TP innermost so it stays inside a node). Messages and
-data-parallel collectives go between processes of equal `t`; expert parallelism groups
-consecutive replicas of one device.
+A Plan has one RankPlan per logical rank `L = device * dp + replica`. Context and tensor
+parallelism make each logical rank `cp * tp` processes running the same tasks, each on its
+share of the sequence and its slice of the layers: physical rank `(L * cp + c) * tp + t`
+(Megatron's order, TP innermost so it stays inside a node, CP next). The process's *inner
+index* `i = c * tp + t` says which. Messages go between processes of equal inner index;
+data-parallel collectives run over dp x cp processes of equal `t` (context-parallel ranks
+saw different tokens, so their gradients are summed as replicas' are); expert parallelism
+groups consecutive replicas of one device.
 """
 
 from __future__ import annotations
@@ -20,24 +23,42 @@ class Mesh:
     dp: int
     tp: int = 1
     ep: int = 1
+    cp: int = 1
+
+    @property
+    def inner(self) -> int:
+        """Processes per logical rank."""
+        return self.cp * self.tp
 
     @property
     def world_size(self) -> int:
-        return self.pp * self.dp * self.tp
+        return self.pp * self.dp * self.inner
 
-    def physical(self, logical: int, t: int) -> int:
-        return logical * self.tp + t
+    def physical(self, logical: int, i: int) -> int:
+        return logical * self.inner + i
 
     def split(self, physical: int) -> tuple[int, int]:
-        """Physical rank -> (logical rank, tensor-parallel index)."""
-        return divmod(physical, self.tp)
+        """Physical rank -> (logical rank, inner index)."""
+        return divmod(physical, self.inner)
 
-    def lift(self, group: Group, t: int) -> Group:
-        """A group of logical ranks as the processes of tensor-parallel index `t`."""
-        return tuple(self.physical(g, t) for g in group)
+    def lift(self, group: Group, i: int) -> Group:
+        """A group of logical ranks as the processes of inner index `i`."""
+        return tuple(self.physical(g, i) for g in group)
 
-    def tp_group(self, logical: int) -> Group:
-        return tuple(self.physical(logical, t) for t in range(self.tp))
+    def dp_lift(self, group: Group, i: int) -> Group:
+        """A data-parallel group of logical ranks as the processes its collectives run over:
+        every context-parallel index of each, at the tensor-parallel index of `i`; a
+        process's place in it is `replica * cp + c`."""
+        t = i % self.tp
+        return tuple(self.physical(g, c * self.tp + t) for g in group for c in range(self.cp))
+
+    def tp_group(self, logical: int, i: int = 0) -> Group:
+        first = i - i % self.tp
+        return tuple(self.physical(logical, first + t) for t in range(self.tp))
+
+    def cp_group(self, logical: int, i: int = 0) -> Group:
+        t = i % self.tp
+        return tuple(self.physical(logical, c * self.tp + t) for c in range(self.cp))
 
     def ep_group(self, logical: int) -> Group:
         """Logical ranks sharing one set of experts: `ep` consecutive replicas of a device."""
@@ -52,25 +73,29 @@ class Mesh:
 
     def p2p_links(self, logical: set[tuple[int, int, bool]]) -> list[tuple[int, int, bool]]:
         """(sender, receiver, grad) processes of every P2P link, in one creation order."""
-        return sorted({(self.physical(a, t), self.physical(b, t), g) for a, b, g in logical
-                       for t in range(self.tp)})
+        return sorted({(self.physical(a, i), self.physical(b, i), g) for a, b, g in logical
+                       for i in range(self.inner)})
 
     def groups(self, logical_groups: tuple[Group, ...]) -> list[Group]:
         """Every process group a run needs, in one order all ranks create them in."""
-        out: set[Group] = {self.lift(g, t) for g in logical_groups for t in range(self.tp)}
+        out: set[Group] = {self.dp_lift(g, t) for g in logical_groups for t in range(self.tp)}
         out.update(self.in_graph_groups())
         for L in range(self.pp * self.dp):
             if self.ep > 1 and self.dp > self.ep:
-                out.update(self.lift(self.expert_dp_group(L), t) for t in range(self.tp))
+                out.update(self.lift(self.expert_dp_group(L), i) for i in range(self.inner))
         return sorted(out)
 
     def in_graph_groups(self) -> list[Group]:
-        """The groups of collectives inside chunks: tensor-parallel, and expert-parallel
-        (lifted per tensor-parallel index)."""
+        """The groups of collectives inside chunks: tensor-parallel (per context-parallel
+        index), context-parallel (per tensor-parallel index) and expert-parallel (per inner
+        index)."""
         out: set[Group] = set()
         for L in range(self.pp * self.dp):
-            if self.tp > 1:
-                out.add(self.tp_group(L))
-            if self.ep > 1:
-                out.update(self.lift(self.ep_group(L), t) for t in range(self.tp))
+            for i in range(self.inner):
+                if self.tp > 1:
+                    out.add(self.tp_group(L, i))
+                if self.cp > 1:
+                    out.add(self.cp_group(L, i))
+                if self.ep > 1:
+                    out.add(self.lift(self.ep_group(L), i))
         return sorted(out)

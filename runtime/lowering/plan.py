@@ -88,12 +88,12 @@ class Plan:
 
     @property
     def mesh(self) -> Mesh:
-        return Mesh(self.pp, self.dp, self.sharding.tp, self.sharding.ep)
+        return Mesh(self.pp, self.dp, self.sharding.tp, self.sharding.ep, self.sharding.cp)
 
     @property
     def world_size(self) -> int:
-        """Processes: one per logical rank and tensor-parallel index."""
-        return self.pp * self.dp * self.sharding.tp
+        """Processes: one per logical rank and context- and tensor-parallel index."""
+        return self.mesh.world_size
 
     @property
     def complete(self) -> bool:

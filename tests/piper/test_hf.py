@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 import piper
 from piper.errors import PiperError
@@ -89,7 +90,10 @@ def test_batch_is_tokens_with_labels_and_the_loss_is_the_models(folders) -> None
     spec = load_model(folders["llama"], (), (("seq_len", SEQ),))
     args, kwargs, targets = spec.example(3)
     assert args == () and targets is None
-    assert set(kwargs) == {"input_ids", "labels"} and kwargs["input_ids"].shape == (3, SEQ)
+    assert set(kwargs) == {"input_ids", "labels", "shift_labels"}
+    assert kwargs["input_ids"].shape == kwargs["shift_labels"].shape == (3, SEQ)
+    # the targets are the next tokens, already shifted: every position has one
+    assert torch.equal(kwargs["input_ids"][:, 1:], kwargs["shift_labels"][:, :-1])
     with pytest.raises(PiperError, match="longer than the model's context"):
         load_model(folders["llama"], (), (("seq_len", 65),))
 

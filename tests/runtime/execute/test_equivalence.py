@@ -111,6 +111,23 @@ CASES = {
                                     "--zero", "3", "--microbatches", "2"],
     # Qwen3-style: q/k RMSNorm per head, embedding tied to the output head across stages
     "qwen3_tied_tp2_pp2": ["--gpus", "4", "--tp", "2", "--pp", "2", "--microbatches", "2"],
+    # context parallelism: each rank holds two chunks of every sequence (head and tail),
+    # RoPE at its tokens' positions; keys and values passed round a ring or all-gathered;
+    # gradients summed (and ZeRO-sharded) over dp x cp
+    "llama_cp4": ["--gpus", "4", "--cp", "4", "--microbatches", "2"],
+    "llama_cp2_all_gather_dp2_zero1_recompute": ["--gpus", "4", "--cp", "2", "--cp-attention",
+                                                 "all_gather", "--dp", "2", "--zero", "1",
+                                                 "--microbatches", "2", "--recompute"],
+    "llama_cp2_tp2_sp_recompute_op": ["--gpus", "4", "--cp", "2", "--tp", "2", "--sp",
+                                      "--microbatches", "2", "--recompute", "op"],
+    "llama_cp2_pp2_dp2_zero3": ["--gpus", "8", "--cp", "2", "--pp", "2", "--dp", "2",
+                                "--zero", "3", "--microbatches", "2"],
+    "llama_cp2_pp2_dp2_zero3_zb1p": ["--gpus", "8", "--cp", "2", "--pp", "2", "--dp", "2",
+                                     "--zero", "3", "--schedule", "zb1p", "--microbatches",
+                                     "2"],
+    # a learned position table read at the rank's positions; a V of two stages per rank
+    "cp2_pp2_dualpipev": ["--gpus", "4", "--cp", "2", "--pp", "2", "--schedule", "dualpipev",
+                          "--microbatches", "4"],
 }
 
 MOE = [str(ROOT / "examples" / "moe.py"), *TINY]

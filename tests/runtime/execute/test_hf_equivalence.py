@@ -34,11 +34,14 @@ MORE = {
     # sequence parallelism on unmodified attention: gathered at the attention and MLP
     # modules, split at the first layer, whole again at the final norm
     "tp2_sp_pp2": ["--gpus", "4", "--tp", "2", "--sp", "--pp", "2", "--microbatches", "2"],
+    # context parallelism on unmodified attention: the decoder's position ids become the
+    # rank's own, its causal mask (proved causal at capture) gives way to ring attention
+    "cp2_dp2": ["--gpus", "4", "--cp", "2", "--dp", "2", "--microbatches", "2"],
 }
 # tensor parallelism from the config's own base_model_tp_plan: GPT-2 declares none
 CASES = [(f, s) for f in sorted(FAMILIES) for s in STRATEGIES
          if not (s == "tp2" and f == "gpt2")] + [("qwen3", s) for s in MORE] + [
-    ("llama", "tp2_sp")]
+    ("llama", "tp2_sp"), ("llama", "cp2_dp2")]
 MORE["tp2_sp"] = ["--gpus", "2", "--tp", "2", "--sp", "--microbatches", "2"]
 STRATEGIES.update(MORE)
 

@@ -52,7 +52,8 @@ def tokens(tmp_path_factory) -> str:
     # f/g all-reduces in bf16; DDP-style buckets reduced in bf16
     ["--gpus", "4", "--tp", "2", "--dp", "2", "--microbatches", "2", "--bucket-mb", "0.001",
      "--reduce-dtype", "bf16"],
-], ids=["pp2_dp2_zero2_zb1p", "dp2_zero3_bf16_reduce", "tp2_dp2_buckets_bf16_reduce"])
+    ["--gpus", "2", "--cp", "2", "--microbatches", "2"],
+], ids=["pp2_dp2_zero2_zb1p", "dp2_zero3_bf16_reduce", "tp2_dp2_buckets_bf16_reduce", "cp2"])
 def test_bf16_mixed_matches_single_device_autocast(ray_session, capsys, tokens, strategy):
     rc, out = run_json(capsys, ["run", GPT, *TINY, *strategy, "--steps", "20", "--data",
                                 tokens, "--precision", "bf16-mixed", "--lr", "3e-3",

@@ -330,6 +330,12 @@ class _RegionCounter(fx.Interpreter):
             out = to_meta(n.meta.get("val"))
         r = self.node_region.get(n.name, 0)
         flops = self.mode.get_total_flops() - before
+        if getattr(n.target, "_piper_cp", False):  # context-parallel attention
+            flops = context_attention_flops(n)
+            key = (flops, _low_precision(out), CAUSAL_WORK if n.args[4] else 1.0, 0, True,
+                   (), False)
+            self.ops[r][key] = self.ops[r].get(key, 0) + 1
+            self.node_keys[n.name] = key
         self.flops[r] += flops
         if getattr(n.target, "_schema", None) is not None:  # an ATen op, not Python glue
             attention = bool(flops) and _fused_attention(n)
@@ -363,6 +369,17 @@ def _gemm_shape(flops: int, args: list[object], out: object) -> tuple[int, ...]:
 CAUSAL_WORK = 0.5
 """Share of a causal attention's counted FLOPs its fused kernel runs: the blocks above the
 diagonal are skipped, (s + 1) / 2s of the s x s scores, about half at training lengths."""
+
+
+def context_attention_flops(n: fx.Node) -> int:
+    """Counted forward FLOPs of a context-parallel attention node
+    (`piper.context_parallel.attention(q, k, v, scale, causal, degree, mode)`): the rank's
+    queries against the whole sequence's keys, 4 b h t (t cp) d, as ATen counts
+    scaled-dot-product attention. The head-tail split gives every rank the same share of
+    the causal pairs, so the causal work share applies as it does on one device."""
+    q = n.args[0].meta["val"]  # type: ignore[union-attr]
+    b, h, t, d = (int(x) for x in q.shape[-4:])
+    return 4 * b * h * t * (t * int(n.args[5])) * d  # type: ignore[arg-type]
 
 
 def _fused_attention(n: fx.Node) -> bool:

@@ -69,8 +69,9 @@ def tied_copies(plan: Plan) -> tuple[tuple[int, int], ...]:
 def static_bytes(plan: Plan, costs: ModelCosts) -> tuple[int, ...]:
     """Per rank: parameters, gradients and optimizer state of the stages it holds."""
     params = stage_params(plan, costs)
-    per = zero_bytes_per_param(costs.element_size, plan.zero, plan.dp, costs.optimizer_bytes)
-    whole = zero_bytes_per_param(costs.element_size, 0, plan.dp, costs.optimizer_bytes)
+    per = zero_bytes_per_param(costs.element_size, plan.zero, plan.shard_ways,
+                               costs.optimizer_bytes)
+    whole = zero_bytes_per_param(costs.element_size, 0, plan.shard_ways, costs.optimizer_bytes)
     tied = tied_copies(plan)
     return tuple(round(sum(per * (params[s] - tied[s][1]) + whole * tied[s][0]
                            for s in rp.stages)) for rp in plan.ranks)
@@ -208,7 +209,7 @@ class MemoryParts:
 def static_parts(plan: Plan, costs: ModelCosts) -> tuple[tuple[int, int, int], ...]:
     """Per rank: (weights, gradients, optimizer state) bytes of `static_bytes`, each sharded
     as its ZeRO stage shards it (tied copies whole)."""
-    e, o, n, z = costs.element_size, costs.optimizer_bytes, plan.dp, plan.zero
+    e, o, n, z = costs.element_size, costs.optimizer_bytes, plan.shard_ways, plan.zero
     share = (1 / n if z >= 3 else 1, 1 / n if z >= 2 else 1, 1 / n if z >= 1 else 1)
     params, tied = stage_params(plan, costs), tied_copies(plan)
     out = []

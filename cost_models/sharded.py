@@ -13,7 +13,12 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from cost_models import comm
-from cost_models.analytical import ModelCosts
+from cost_models.analytical import (
+    ATTENTION_BACKWARD_RATIO,
+    CAUSAL_WORK,
+    ModelCosts,
+    context_attention_flops,
+)
 from cost_models.cluster import ClusterSpec
 from cost_models.task_costs import TaskCosts
 from piper.capture import Captured
@@ -40,6 +45,16 @@ class InGraphComm:
     sequence_split: tuple[tuple[int, ...], ...] = ()
     """Sequence parallelism entered from replicated code (`piper.collectives.sp_split`):
     split for free forward, the whole gradient gathered backward."""
+    context_kv: tuple[tuple[int, ...], ...] = ()
+    """Context parallelism: per attention, the bytes of the rank's own key and value blocks
+    (what each ring hop sends, what an all-gather collects from each rank)."""
+    context_acc: tuple[tuple[int, ...], ...] = ()
+    """The same blocks' gradient accumulators (fp32 in any precision, as the runtime
+    sums them)."""
+    context_flops: tuple[tuple[float, ...], ...] = ()
+    """The same attentions' forward FLOPs, times the causal work share: the compute a
+    ring hop hides behind."""
+    low_precision: bool = False  # attention runs in 16-bit (bf16 training)
 
     def in_precision(self, costs: ModelCosts) -> InGraphComm:
         """These collectives' bytes when training in `costs.precision`: bf16 training
@@ -53,7 +68,9 @@ class InGraphComm:
         return InGraphComm(scaled(self.forward_all_reduce), scaled(self.backward_all_reduce),
                            scaled(self.all_to_all), scaled(self.forward_all_gather),
                            scaled(self.sequence_scatter), scaled(self.sequence_gather),
-                           scaled(self.sequence_regather), scaled(self.sequence_split))
+                           scaled(self.sequence_regather), scaled(self.sequence_split),
+                           scaled(self.context_kv), self.context_acc, self.context_flops,
+                           True)
 
 
 def in_graph_comm(captured: Captured) -> InGraphComm:
@@ -71,7 +88,18 @@ def in_graph_comm(captured: Captured) -> InGraphComm:
     into = {"tp_reduce": fwd, "tp_copy": bwd, "all_to_all": a2a, "tp_gather": gather,
             "sp_scatter": scatter, "sp_gather": sp_gathers, "sp_gather_whole": gather,
             "sp_split": splits}
+    kv: list[list[int]] = [[] for _ in range(n)]
+    acc: list[list[int]] = [[] for _ in range(n)]
+    flops: list[list[float]] = [[] for _ in range(n)]
     for node in captured.program.graph.nodes:
+        if node.op == "call_function" and getattr(node.target, "_piper_cp", False):
+            region = captured.node_region[node.name]
+            k, v = (node.args[i].meta["val"] for i in (1, 2))  # type: ignore[union-attr]
+            kv[region].append(k.numel() * k.element_size() + v.numel() * v.element_size())
+            acc[region].append(4 * (k.numel() + v.numel()))
+            flops[region].append(context_attention_flops(node)
+                                 * (CAUSAL_WORK if node.args[4] else 1.0))
+            continue
         op = getattr(node.target, "_schema", None)
         if node.op != "call_function" or op is None or not op.name.startswith("piper::"):
             continue
@@ -86,7 +114,41 @@ def in_graph_comm(captured: Captured) -> InGraphComm:
     # sequence parallelism: a gather forward is a reduce-scatter backward and vice versa
     return InGraphComm(*(tuple(tuple(r) for r in lists)
                          for lists in (fwd, bwd, a2a, gather, scatter, sp_gathers, regathers,
-                                       splits)))
+                                       splits, kv, acc, flops)))
+
+
+def context_seconds(traffic: InGraphComm, regions: list[int], plan: Plan,
+                    cluster: ClusterSpec, scale: float) -> tuple[float, float]:
+    """(forward, backward) seconds context-parallel attention adds to a chunk of `regions`,
+    as `piper.context_parallel` runs it.
+
+    ring: cp - 1 hops of the key/value block, each started before the block in hand is
+    computed, so a hop shows only past that block's 1/cp of the attention; backward sends
+    the blocks again and their gradient accumulators (fp32) behind the next block's math,
+    plus a last hop home. all_gather: one all-gather of the blocks forward, one
+    reduce-scatter of their gradients backward, in line (Llama 3's form)."""
+    cp = plan.sharding.cp
+    if cp <= 1 or not traffic.context_kv:
+        return 0.0, 0.0
+    group = plan.mesh.cp_group(0)
+    fwd = bwd = 0.0
+    for r in regions:
+        for kv, acc, flops in zip(traffic.context_kv[r], traffic.context_acc[r],
+                                  traffic.context_flops[r], strict=True):
+            kv, acc = kv * scale, acc * scale
+            if plan.sharding.cp_mode == "all_gather":
+                fwd += comm.collective_time(comm.ALL_GATHER, kv * cp, group, cluster)
+                bwd += comm.collective_time(comm.REDUCE_SCATTER, acc * cp, group, cluster)
+                continue
+            block = cluster.matmul_seconds(flops * scale, 0, traffic.low_precision, True) / cp
+            back = block * ATTENTION_BACKWARD_RATIO
+            hop = max(comm.p2p_message_time(cluster, a, b, kv)
+                      for a, b in zip(group, group[1:] + group[:1]))
+            home = max(comm.p2p_message_time(cluster, a, b, acc)
+                       for a, b in zip(group, group[1:] + group[:1]))
+            fwd += (cp - 1) * max(0.0, hop - block)
+            bwd += (cp - 1) * (max(0.0, hop - back) + max(0.0, home - back)) + home
+    return fwd, bwd
 
 
 def all_to_all_time(nbytes: float, group: tuple[int, ...], cluster: ClusterSpec) -> float:
@@ -148,7 +210,9 @@ def with_in_graph_comm(tc: TaskCosts, plan: Plan, traffic: InGraphComm, cluster:
         if tp_overlap:
             forward = overlapped(forward, tc.forward_s[s], contention)
             backward = overlapped(backward, tc.backward_s[s], contention)
-        forward, backward = forward + a2a, backward + a2a
+        cp_f, cp_b = context_seconds(traffic, [index[r] for r in regions], plan, cluster,
+                                     scale)
+        forward, backward = forward + a2a + cp_f, backward + a2a + cp_b
         # a full recompute re-runs the forward's collectives inside the backward (a
         # selective one recomputes no collective)
         rebuilt = forward if s in plan.recompute and plan.recompute_policy == "full" else 0.0

@@ -21,6 +21,7 @@ from cost_models.cluster import ClusterSpec
 from piper.dag import Kind
 from runtime.execute.buckets import early_reduce_scatters, early_stages
 from runtime.execute.unit_gather import unit_gathers
+from runtime.lowering.mesh import Mesh
 from runtime.lowering.plan import Plan, Task
 
 
@@ -58,6 +59,9 @@ class TaskCosts:
     of the ops that read it; 0 or 1: the ALL_GATHER brings the stage whole."""
     unit_groups: tuple[tuple[int, ...], ...] = ()
     """Per stage, the data-parallel group those gathers run over (as its ALL_GATHER's)."""
+    mesh: Mesh | None = None
+    """Set under context parallelism: a replicas' collective runs over the context-parallel
+    ranks of each replica too (`Mesh.dp_lift`), a larger group than its task names."""
     _bytes: dict[str, int] = field(init=False, repr=False, compare=False, hash=False)
 
     def __post_init__(self) -> None:
@@ -81,9 +85,13 @@ class TaskCosts:
         if kind is not None and self.bucket_bytes and not task.values:
             return self._bucketed(task, kind) + self.cluster.task_overhead_s
         if kind is not None:  # ZeRO gathers parameters and scatters gradients of full size
-            return comm.collective_time(kind, self._bytes_of(task), task.group,
+            return comm.collective_time(kind, self._bytes_of(task), self._over(task.group),
                                         self.cluster) + self.cluster.task_overhead_s
         raise NotImplementedError(f"no cost model for task kind {k.name} ({task.name})")
+
+    def _over(self, group: tuple[int, ...]) -> tuple[int, ...]:
+        """The processes a collective of logical-rank `group` runs over."""
+        return group if self.mesh is None else self.mesh.dp_lift(group, 0)
 
     def _units(self, stage: int) -> int:
         return self.units[stage] if self.units else 0
@@ -91,7 +99,8 @@ class TaskCosts:
     def _unit_gather(self, stage: int, group: tuple[int, ...]) -> float:
         """One unit's all-gather (the stage's gathered bytes split evenly)."""
         nbytes = (self.gather_bytes or self.gradient_bytes)[stage] / self._units(stage)
-        return comm.collective_time(comm.ALL_GATHER, round(nbytes), group, self.cluster)
+        return comm.collective_time(comm.ALL_GATHER, round(nbytes), self._over(group),
+                                    self.cluster)
 
     def _exposed_gathers(self, task: Task, busy: float) -> float:
         """What a chunk waits for its units' gathers inside it: unit j + 1's starts when
@@ -131,7 +140,8 @@ class TaskCosts:
         sizes = [self.bucket_bytes] * (total // self.bucket_bytes)
         if total % self.bucket_bytes or not sizes:
             sizes.append(total % self.bucket_bytes)
-        each = {n: comm.collective_time(kind, n, task.group, self.cluster) for n in set(sizes)}
+        group = self._over(task.group)
+        each = {n: comm.collective_time(kind, n, group, self.cluster) for n in set(sizes)}
         times = [each[n] for n in sizes]
         if (task.stage not in self.early_buckets or total == 0
                 or task.kind is Kind.ALL_GATHER):
@@ -208,7 +218,7 @@ def task_costs(plan: Plan, costs: ModelCosts, cluster: ClusterSpec,
         for s, ((f, _), rs) in enumerate(zip(chunks, plan.stage_regions, strict=True)))
     bwd = tuple(b + r for (_, b), r in zip(chunks, rec, strict=True))
     params = tuple(costs.params_of(rs) for rs in plan.stage_regions)
-    shards = plan.dp if plan.zero else 1  # ZeRO ranks update only their shard
+    shards = plan.shard_ways if plan.zero else 1  # ZeRO ranks update only their shard
     # ZeRO's optimizer sees one flat shard per stage, plain DP every parameter tensor
     tensors = tuple((1 if p else 0) if plan.zero else costs.param_tensors_of(rs)
                     for p, rs in zip(params, plan.stage_regions, strict=True))
@@ -233,6 +243,7 @@ def task_costs(plan: Plan, costs: ModelCosts, cluster: ClusterSpec,
         early_buckets=early_stages(plan) | early_reduce_scatters(plan),
         units=units,
         unit_groups=groups,
+        mesh=plan.mesh if plan.sharding.cp > 1 else None,
     )
 
 

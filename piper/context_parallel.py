@@ -105,7 +105,7 @@ class _Attention(torch.autograd.Function):
         kv = torch.stack([k, v])
         for i in range(degree):
             src = (rank - i) % degree
-            nxt = _shift(kv, group, degree) if i < degree - 1 else None
+            nxt = _shift(kv, group, degree, _KV) if i < degree - 1 else None
             kpos = positions(src, degree, k.shape[-2]).to(q.device)
             if not (causal and bool(kpos.min() > qpos.max())):  # wholly in the future
                 o, s = _block(q, kv[0], kv[1], qpos, kpos, scale, causal)
@@ -139,20 +139,26 @@ class _Attention(torch.autograd.Function):
         dq = torch.zeros(q.shape, dtype=_acc(q), device=q.device)
         kv = torch.stack([k, v])
         acc = torch.zeros(kv.shape, dtype=_acc(q), device=q.device)
+        arriving = None  # the accumulators of the next block, on their way
         for i in range(degree):
             src = (rank - i) % degree
-            nxt = _shift(kv, group, degree) if i < degree - 1 else None
+            nxt = _shift(kv, group, degree, _KV) if i < degree - 1 else None
             kpos = positions(src, degree, k.shape[-2]).to(q.device)
+            grads = None
             if not (causal and bool(kpos.min() > qpos.max())):
-                gq, gk, gv = _block_grad(q, kv[0], kv[1], qpos, kpos, scale, causal,
-                                         dout32, lse, delta)
-                dq += gq
-                acc[0] += gk
-                acc[1] += gv
+                grads = _block_grad(q, kv[0], kv[1], qpos, kpos, scale, causal, dout32, lse,
+                                    delta)
+            if arriving is not None:  # waited for only after this block's math
+                acc = arriving()
+            if grads is not None:
+                dq += grads[0]
+                acc[0] += grads[1]
+                acc[1] += grads[2]
             if nxt is not None:
                 kv = nxt()
             # the block's gradients travel with it; the last hop brings each rank its own
-            acc = _shift(acc, group, degree)()
+            arriving = _shift(acc, group, degree, _ACC)
+        acc = arriving()
         return dq.to(q.dtype), acc[0].to(k.dtype), acc[1].to(v.dtype), *none
 
 
@@ -247,15 +253,20 @@ def _scatter(g: torch.Tensor, group: Any, degree: int) -> torch.Tensor:
     return out.movedim(0, -2)
 
 
-def _shift(x: torch.Tensor, group: Any, degree: int) -> Any:
+_KV, _ACC = 1, 2  # message tags: keys and values, and their gradient accumulators
+
+
+def _shift(x: torch.Tensor, group: Any, degree: int, tag: int) -> Any:
     """Start sending `x` to the next rank of the ring and receiving the previous one's;
-    returns a function that waits and gives what was received."""
+    returns a function that waits and gives what was received. Blocks and accumulators
+    in flight at once carry their own `tag`, so neither is taken for the other."""
     rank = dist.get_rank(group)
     nxt = dist.get_global_rank(group, (rank + 1) % degree)
     prev = dist.get_global_rank(group, (rank - 1) % degree)
     x = x.contiguous()
     got = torch.empty_like(x)
-    works = [dist.isend(x, nxt, group=group), dist.irecv(got, prev, group=group)]
+    works = [dist.isend(x, nxt, group=group, tag=tag),
+             dist.irecv(got, prev, group=group, tag=tag)]
 
     def wait() -> torch.Tensor:
         with lanes.waiting():

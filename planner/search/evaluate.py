@@ -20,6 +20,7 @@ from piper.directives import (
     Recompute,
     Replicate,
     Shard,
+    ShardSequence,
     ShardTensor,
     Split,
     SplitBackward,
@@ -178,7 +179,7 @@ class Evaluator:
                                         [s.device for s in dag.stages])
         regions, devices = self._stage_cuts[places]
         rep = next((d for d in ds if isinstance(d, Replicate)), None)
-        shards = tuple(d for d in ds if isinstance(d, (ShardTensor, Shard)))
+        shards = tuple(d for d in ds if isinstance(d, (ShardTensor, Shard, ShardSequence)))
         sharding = ModelSharding()
         if shards:
             if shards not in self._shardings:
@@ -189,6 +190,7 @@ class Evaluator:
         again = rc.chosen(len(regions)) if rc else ()
         orders = [d for d in ds if isinstance(d, Order)]
         dp, zero = (rep.degree, rep.zero) if rep else (1, 0)
+        dp *= sharding.cp  # ZeRO shards over the context-parallel ranks too
         bucket = rep.bucket_bytes if rep else 0
         moved = [k for d in ds if isinstance(d, Stream) for k in d.kinds.split()]
         return max(device_peaks(
@@ -215,7 +217,7 @@ class Evaluator:
         last = self._last_plan
         if last is None or last[0] != key:
             s = program.summary()
-            kept = representative_replicas(Mesh(s["pp"], s["dp"], s["tp"], s["ep"]),
+            kept = representative_replicas(Mesh(s["pp"], s["dp"], s["tp"], s["ep"], s["cp"]),
                                            self.cluster)
             dag = dataclasses.replace(self.dag, kept=kept)
             # no separate deadlock dry run: the simulator's timeline is one, and raises the same
@@ -252,10 +254,15 @@ class Evaluator:
             durations = with_in_graph_comm(tc, plan, traffic, self.cluster, mb,
                                            self.tp_overlap)
             pred = simulate(plan, costs, self.cluster, mb, durations=durations)
-            # MFU counts the whole model's FLOPs; the slice's are 1/tp of them
+            # MFU counts the whole model's FLOPs; the slice's are 1/tp of them (and its
+            # tokens 1/cp of each sequence's)
             full, part = self.costs.forward_flops_per_sample, costs.forward_flops_per_sample
             if part > 0:
                 pred = dataclasses.replace(pred, mfu=pred.mfu * full / part)
+            if costs.tokens_per_sample != self.costs.tokens_per_sample:
+                pred = dataclasses.replace(pred, tokens_per_s=pred.tokens_per_s
+                                           * self.costs.tokens_per_sample
+                                           / costs.tokens_per_sample)
         ev = Evaluation(program, plan, pred, mb)
         self.cache.put(key, ev)
         return ev

@@ -72,7 +72,11 @@ def planning_capture(spec: ModelSpec, batch: int, sharding: ModelSharding | None
     exact (see module docstring); `fold=False` traces every layer."""
     if fold:
         cut = _Truncate(spec.index_attrs)
-        cap = capture(spec, batch, prepare=lambda m: _cut_then_shard(cut, m, sharding))
+        # the modules are cut and sharded by `prepare`; context parallelism is the
+        # capture's own (it traces one rank's tokens and rewrites the graph)
+        cp = (ModelSharding(cp=sharding.cp, cp_mode=sharding.cp_mode)
+              if sharding is not None and sharding.cp > 1 else None)
+        cap = capture(spec, batch, cp, prepare=lambda m: _cut_then_shard(cut, m, sharding))
         if cut.repeats:
             grown = _grow(cap, cut.repeats, sharding is not None)
             if grown is not None:

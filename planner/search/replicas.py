@@ -49,7 +49,7 @@ def _signature(mesh: Mesh, cluster: ClusterSpec, replica: int) -> tuple:
     for d in range(mesh.pp):
         L = d * mesh.dp + replica
         here = node(L)
-        tp_span = node(L, mesh.tp - 1) - here
+        tp_span = node(L, mesh.inner - 1) - here  # its context- and tensor-parallel ranks
         ep = tuple(node(g) - here for g in mesh.ep_group(L)) if mesh.ep > 1 else ()
         out.append((here - first, tp_span, ep))
     return tuple(out)
@@ -57,12 +57,12 @@ def _signature(mesh: Mesh, cluster: ClusterSpec, replica: int) -> tuple:
 
 def stands_for(plan: Plan, cluster: ClusterSpec) -> dict[int, tuple[int, ...]]:
     """Each logical rank of `plan` (a simulation view keeps one replica of each kind) ->
-    the processes whose step it shows: its tensor-parallel ranks, and those of every
+    the processes whose step it shows: its context- and tensor-parallel ranks, and those of every
     replica of its kind the view left out."""
     mesh = plan.mesh
     kinds = ({r: (r,) for r in range(mesh.dp)} if plan.complete
              else replica_kinds(mesh, cluster))
     return {rp.rank: tuple(sorted(mesh.physical(rp.device * mesh.dp + r, t)
                                   for r in kinds.get(rp.replica, (rp.replica,))
-                                  for t in range(mesh.tp)))
+                                  for t in range(mesh.inner)))
             for rp in plan.ranks}

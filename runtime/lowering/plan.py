@@ -91,6 +91,12 @@ class Plan:
         return Mesh(self.pp, self.dp, self.sharding.tp, self.sharding.ep, self.sharding.cp)
 
     @property
+    def shard_ways(self) -> int:
+        """Processes a stage's data-parallel collectives (and ZeRO's shards) span: the
+        replicas times the context-parallel ranks, whose gradients are summed alike."""
+        return self.dp * self.sharding.cp
+
+    @property
     def world_size(self) -> int:
         """Processes: one per logical rank and context- and tensor-parallel index."""
         return self.mesh.world_size

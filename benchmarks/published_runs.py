@@ -88,6 +88,11 @@ class Run:
     tp_overlap: bool = False
     """Tensor-parallel collectives overlapped with the GEMMs (Megatron's --tp-comm-overlap,
     torchtitan's async TP), priced by `Evaluator.tp_overlap`."""
+    cp: int = 1
+    """Context-parallel degree (each of cp ranks holds 1/cp of every sequence)."""
+    cp_attention: str = "all_gather"
+    """How its attention exchanges keys and values (torchtitan's default at the time and
+    Llama 3's: all-gather)."""
     dp_overlap: bool = True
     """Gradient reduction overlapped with the backward, as the run did (Megatron's
     --overlap-grad-reduce, DDP's buckets, FSDP's units); False: after it, on the compute
@@ -189,7 +194,7 @@ def torchtitan() -> list[Run]:
 
     def row(label: str, size: tuple, cluster: str, gpus: int, fsdp: int, tp: int, pp: int,
             local_bs: int, seq: int, tps: float, recompute: bool | str, approx: str = "",
-            assumed: str = "", schedule: str = "1f1b", v: int = 1) -> None:
+            assumed: str = "", schedule: str = "1f1b", v: int = 1, cp: int = 1) -> None:
         gbs = local_bs * fsdp
         step = gbs * seq / (gpus * tps)
         c = llama_config(size)
@@ -197,7 +202,8 @@ def torchtitan() -> list[Run]:
         out.append(Run("torchtitan", label, LLAMA, size, cluster, gpus, tp, pp, fsdp,
                        local_bs if pp == 1 else 1, gbs, step, zero=3, schedule=schedule,
                        v=v, recompute=recompute, approx=approx, assumed=assumed,
-                       unit_mb=4 * layer / tp / 2**20, sp=tp > 1))  # its TP plan's norms: SP
+                       unit_mb=4 * layer / tp / 2**20, sp=tp > 1,  # its TP plan's norms: SP
+                       cp=cp))
 
     seq8k = "seq 8192 (toml default)"
     # torchtitan's `op` policy also recomputes every other matmul; `op` here recomputes none
@@ -228,6 +234,14 @@ def torchtitan() -> list[Run]:
         353, True)
     row("Llama 2 70B FSDP64 bs1 selective-op AC (A100)", _llama("70b"), a100, 64, 64, 1, 1, 1,
         4096, 355, "op", approx=SAC)
+    # long context (table T2): FSDP x CP on one host, full AC; Float8 linears (a small
+    # share of the step at these lengths) and torch.compile are not modelled
+    f8 = "Float8 linears, torch.compile"
+    for fsdp, cp, seq, tps in ((8, 1, 32768, 3890), (4, 2, 65536, 2540),
+                               (2, 4, 131072, 1071), (1, 8, 262144, 548)):
+        row(f"Llama 3.1 8B FSDP{fsdp} CP{cp} bs1 seq{seq // 1024}K full AC",
+            _llama("llama3-8b", seq=seq), "h100-96gb-500w", 8, fsdp, 1, 1, 1, seq, tps, True,
+            approx=f8, assumed="all-gather CP (the default rotate method then)", cp=cp)
     return out
 
 
@@ -243,6 +257,16 @@ def llama3_paper() -> list[Run]:
                        flops / (gpus * tflops * 1e12), zero=2, schedule="interleaved-1f1b",
                        v=4, sp=True,
                        assumed="mbs 1, vp 4 (not stated), FSDP without reshard as zero 2"))
+    # row 3: 131K tokens with 16-way all-gather CP; dp 8 (printed 4, which fits neither the
+    # GPU count nor the tokens per batch); PaLM's FLOPs at 131K (the run's document mask
+    # skips some of the attention they count)
+    gbs, seq = 8 * 16, 131072
+    flops = gbs * seq * (6 * _LLAMA_405B_PARAMS + 12 * 126 * 16384 * seq)
+    out.append(Run("llama3", "Llama 3 405B tp8 cp16 pp16 dp8 seq131K (16384 GPUs)", LLAMA,
+                   _llama("405b", seq=seq), "h100-80gb", 16384, 8, 16, 8, 1, gbs,
+                   flops / (16384 * 380 * 1e12), zero=2, schedule="interleaved-1f1b", v=4,
+                   sp=True, cp=16, approx="document mask (causal simulated)",
+                   assumed="dp 8 (printed 4), mbs 1, vp 4, no recompute (not stated)"))
     return out
 
 
@@ -342,8 +366,8 @@ def simulate(run: Run, evaluators: Evaluators,
         pp=run.pp, dp=run.dp, tp=run.tp, ep=1, zero=run.zero, schedule=run.schedule,
         virtual_stages=run.v if run.v > 1 else None, microbatches=run.microbatches,
         recompute=run.recompute, bucket_mb=run.unit_mb,
-        comm_stream=run.dp > 1 and run.zero < 3 and run.dp_overlap,
-        sp=run.sp and run.tp > 1)
+        comm_stream=run.dp * run.cp > 1 and run.zero < 3 and run.dp_overlap,
+        sp=run.sp and run.tp > 1, cp=run.cp, cp_attention=run.cp_attention)
     program = shorthand_program(args, run.gpus, ev.graph.names, ev.region_costs())
     result = ev.evaluate(program)
     p = result.prediction

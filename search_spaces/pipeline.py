@@ -1,5 +1,5 @@
-"""dp × pp × tp × ep × ZeRO × microbatches × schedule × recompute × comm stream × all-reduce
-bucket size, stage boundaries balanced by cost."""
+"""dp × pp × tp × cp × ep × ZeRO × microbatches × schedule × recompute × comm stream ×
+all-reduce bucket size, stage boundaries balanced by cost."""
 
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ def divisors(n: int) -> list[int]:
 
 SAMPLE_ORDER = (Dimension("schedule", ordinal=False), Dimension("zero", ordinal=False),
                 Dimension("recompute", ordinal=False), Dimension("tp", ordinal=True),
-                Dimension("pp", ordinal=True), Dimension("microbatches", ordinal=True),
+                Dimension("cp", ordinal=True), Dimension("pp", ordinal=True), Dimension("microbatches", ordinal=True),
                 Dimension("ep", ordinal=True), Dimension("comm_stream", ordinal=True))
 """The order `sample` asks in: categorical choices first (their values never change), then
 the degrees, each among the values the earlier choices left valid. The comm stream comes
@@ -68,6 +68,9 @@ class PipelineSpace(SearchSpace):
     eps: tuple[int, ...] = (1,)
     """Expert-parallel degrees to try, over `expert_regions` (regions with piper.Experts)."""
     expert_regions: tuple[str, ...] = ()
+    cps: tuple[int, ...] = (1,)
+    """Context-parallel degrees to try (each splits every sequence into 2 x cp equal
+    chunks); each takes its share of the devices, like tp."""
     bad_shardings: tuple[tuple[int, int], ...] = ()
     """(tp, ep) pairs whose degrees each run alone but the model's code not together."""
     recomputes: tuple[bool | str, ...] = (False,)
@@ -110,6 +113,8 @@ class PipelineSpace(SearchSpace):
             g["tp"] = [t for t in self.tps if self.gpus % t == 0]
         if self.eps != (1,):
             g["ep"] = list(self.eps)
+        if self.cps != (1,):
+            g["cp"] = [c for c in self.cps if self.gpus % c == 0]
         if self.recomputes != (False,):
             g["recompute"] = list(self.recomputes)
         if self.comm_streams != (False,):
@@ -140,8 +145,9 @@ class PipelineSpace(SearchSpace):
             return sorted({f(p) for p in pts}, key=lambda v: (str(type(v)), v))
 
         buckets = sorted({b for b in self.buckets if b})
-        return {"dp": values(lambda p: self.gpus // (p["pp"] * p["tp"])),
+        return {"dp": values(lambda p: self.gpus // (p["pp"] * p["tp"] * p["cp"])),
                 "pp": values(lambda p: p["pp"]), "tp": values(lambda p: p["tp"]),
+                "cp": values(lambda p: p["cp"]),
                 "sp": [False, True] if True in self.sps and max(self.tps) > 1 else [False],
                 "ep": values(lambda p: p["ep"]), "zero": values(lambda p: p["zero"]),
                 "schedule": values(lambda p: p["schedule"]),
@@ -194,7 +200,7 @@ class PipelineSpace(SearchSpace):
         grid's optimum; BENCHMARKS.md). So a search scores every size that fits for each
         point it samples and keeps the fastest (`planner.search.loop.score`), and the grid's
         optimum is over the whole product all the same."""
-        if self.unit_layer_mb and (self.gpus // (point["pp"] * point.get("tp", 1))) > 1:
+        if self.unit_layer_mb and self.gpus // (point["pp"] * point.get("tp", 1)) > 1:
             unit = {**point, "bucket_mb": round(self.unit_layer_mb / point.get("tp", 1), 3)}
             return [{**unit, "sp": True} if self.sp_with_tp and point.get("tp", 1) > 1
                     else unit]
@@ -218,8 +224,8 @@ class PipelineSpace(SearchSpace):
 
     def violation(self, *, pp: int, microbatches: int, schedule: str, zero: int = 0,
                   tp: int = 1, ep: int = 1, recompute: bool | str = False,
-                  comm_stream: bool = False, bucket_mb: float = 0, sp: bool = False
-                  ) -> str | None:
+                  comm_stream: bool = False, bucket_mb: float = 0, sp: bool = False,
+                  cp: int = 1) -> str | None:
         """Why the point is not a valid strategy, or None; no Program is built (recompute
         runs with everything, so it adds no rule)."""
         m, sched = microbatches, schedule
@@ -231,25 +237,29 @@ class PipelineSpace(SearchSpace):
         per_device = VIRTUAL.get(sched, 1)
         if pp * per_device > len(self.regions):
             return f"pp={pp} x {per_device} stages exceeds the {len(self.regions)} regions"
-        if self.gpus % (pp * tp):
-            return f"pp={pp} x tp={tp} does not divide {self.gpus} devices"
-        dp = self.gpus // (pp * tp)
+        if self.gpus % (pp * tp * cp):
+            cps = f" x cp={cp}" if cp > 1 else ""
+            return f"pp={pp} x tp={tp}{cps} does not divide {self.gpus} devices"
+        dp = self.gpus // (pp * tp * cp)
+        reducing = dp * cp  # the ranks whose gradients the replicas' collectives sum
         if dp % ep:
             return f"ep={ep} does not divide dp={dp}"
+        if cp > 1 and ep > 1:
+            return "context parallelism with expert parallelism is not supported"
         if (tp, ep) in self.bad_shardings:
             return f"the model does not run split tp={tp} and ep={ep} together"
         if self.batch_size % (dp * m):
             return f"dp={dp} x microbatches={m} does not divide batch {self.batch_size}"
-        if zero and dp == 1:
+        if zero and reducing == 1:
             return "ZeRO shards over data-parallel replicas; dp=1 has none"
         if pp > 1 and zero > self.max_zero_in_pipeline:
             return (f"ZeRO-{zero} with a pipeline: the target framework runs at most "
                     f"ZeRO-{self.max_zero_in_pipeline} beside one")
-        if comm_stream and dp == 1:
+        if comm_stream and reducing == 1:
             return "a comm stream carries data-parallel collectives; dp=1 has none"
         if comm_stream and zero == 3:  # its gradient scatters share a group with the gathers
             return "ZeRO-3's collectives stay on the compute stream (it waits for its gathers)"
-        if bucket_mb and dp == 1:
+        if bucket_mb and reducing == 1:
             return "buckets of data-parallel collectives need dp > 1"
         if sp and tp == 1:
             return "sequence parallelism splits the sequence over a tensor-parallel group"
@@ -263,12 +273,13 @@ class PipelineSpace(SearchSpace):
         self.check(**params)
         pp, m, sched = params["pp"], params["microbatches"], params["schedule"]
         zero, tp, ep = params.get("zero", 0), params.get("tp", 1), params.get("ep", 1)
-        dp = self.gpus // (pp * tp)
+        cp = params.get("cp", 1)
+        dp = self.gpus // (pp * tp * cp)
         prog = schedules.build(sched, self.stages(pp * VIRTUAL.get(sched, 1)), microbatches=m,
                                dp=dp, pp=pp, zero=zero,
                                recompute=params.get("recompute", False))
         prog = schedules.shard(prog, tp=tp, ep=ep, expert_regions=self.expert_regions,
-                               sp=bool(params.get("sp", False)))
+                               sp=bool(params.get("sp", False)), cp=cp)
         if params.get("bucket_mb"):
             prog = schedules.with_buckets(prog, params["bucket_mb"])
         return schedules.with_comm_stream(prog, zero) if params.get("comm_stream") else prog
@@ -278,7 +289,7 @@ class PipelineSpace(SearchSpace):
 
 
 _NAMES = tuple(d.name for d in SAMPLE_ORDER)
-_DEFAULTS = {"tp": 1, "ep": 1, "zero": 0, "recompute": False, "comm_stream": False}
+_DEFAULTS = {"tp": 1, "ep": 1, "cp": 1, "zero": 0, "recompute": False, "comm_stream": False}
 """Values of the dimensions a space may leave out of its grid."""
 
 

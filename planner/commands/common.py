@@ -65,8 +65,8 @@ def with_gpus_per_node(cluster: Any, per_node: int | None) -> Any:
     return dataclasses.replace(cluster, gpus_per_node=per_node)
 
 
-SHORTHAND = ("pp", "dp", "tp", "ep", "schedule", "microbatches", "recompute", "comm_stream",
-             "bucket_mb", "sp", "zero", "virtual_stages")
+SHORTHAND = ("pp", "dp", "tp", "ep", "cp", "schedule", "microbatches", "recompute",
+             "comm_stream", "bucket_mb", "sp", "zero", "virtual_stages")
 
 
 def apply_from(args: argparse.Namespace) -> None:
@@ -99,7 +99,7 @@ def program_of(args: argparse.Namespace, ev: Any) -> Any:
     from planner.search.strategy import shorthand_program
 
     if args.strategy:
-        shorthand = [f for f in ("pp", "dp", "tp", "ep", "schedule", "microbatches",
+        shorthand = [f for f in ("pp", "dp", "tp", "ep", "cp", "schedule", "microbatches",
                                  "recompute", "comm_stream", "bucket_mb", "sp")
                      if getattr(args, f, None)]
         if shorthand:

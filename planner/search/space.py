@@ -14,6 +14,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from piper.context_parallel import check_length
+from piper.sharding import ModelSharding
 from planner.search.evaluate import Evaluator
 from search_spaces import Infeasible
 from search_spaces.pipeline import PipelineSpace, model_space
@@ -21,6 +23,19 @@ from search_spaces.pipeline import PipelineSpace, model_space
 BUCKETS_MB = (0, 25, 100)
 """Bucket caps tried (MiB; 0: one per stage): DDP's default and a coarser one; with ZeRO
 they are its units (FSDP's), whose reduce-scatters start inside the backward."""
+
+
+MIN_CP_TOKENS = 1024
+"""Fewest tokens a context-parallel rank keeps in a searched point: below that a layer's
+attention is a small share of its work and splitting the sequence only adds traffic
+(torchtitan and Megatron-LM apply CP to long sequences; a strategy file may use any)."""
+
+
+def context_degrees(seq: int, gpus: int) -> tuple[int, ...]:
+    """Context-parallel degrees a search tries for sequences of `seq` tokens: those that
+    divide the devices and cut the sequence into 2 x cp equal chunks of enough tokens."""
+    return tuple(c for c in range(1, gpus + 1) if gpus % c == 0 and (
+        c == 1 or (check_length(seq, c) is None and seq // c >= MIN_CP_TOKENS)))
 
 
 RECOMPUTES = (False, True, "attention", "op")
@@ -41,7 +56,7 @@ TARGETS: dict[str, dict[str, Any]] = {
                  "recomputes": (False, True, "attention")},
     # DeepSpeed: no tensor or expert parallelism of its own, ZeRO 0-1 beside a pipeline,
     # its 1F1B-like pipeline schedule, full recompute
-    "deepspeed": {"tps": (1,), "eps": (1,), "max_zero_in_pipeline": 1,
+    "deepspeed": {"tps": (1,), "eps": (1,), "cps": (1,), "max_zero_in_pipeline": 1,
                   "schedules": ("1f1b",), "recomputes": (False, True)},
 }
 """What each framework runs (`search --target`), as limits of the space."""
@@ -63,7 +78,7 @@ def target_space(space: PipelineSpace, target: str, evaluator: Evaluator) -> Pip
     units = limits.pop("units", None)
     if units == "layer":
         limits["unit_layer_mb"] = layer_units_mb(evaluator)
-    for name in ("zeros", "tps", "eps", "recomputes"):
+    for name in ("zeros", "tps", "eps", "cps", "recomputes"):
         if name in limits:
             limits[name] = tuple(v for v in limits[name] if v in getattr(space, name))
     if "schedules" in limits:
@@ -82,7 +97,9 @@ def search_space(evaluator: Evaluator, gpus_per_node: int) -> tuple[PipelineSpac
     space = model_space(ev.graph, ev.region_costs(), ev.gpus, ev.batch_size, gpus_per_node)
     return viable(dataclasses.replace(space, recomputes=RECOMPUTES,
                                       comm_streams=(False, True), buckets=BUCKETS_MB,
-                                      sps=(False, True)), ev)
+                                      sps=(False, True),
+                                      cps=context_degrees(ev.costs.tokens_per_sample,
+                                                          ev.gpus)), ev)
 
 
 def viable(space: PipelineSpace, evaluator: Evaluator) -> tuple[PipelineSpace, list[str]]:
@@ -109,6 +126,12 @@ def viable(space: PipelineSpace, evaluator: Evaluator) -> tuple[PipelineSpace, l
     space = dataclasses.replace(space, tps=tuple(t for t in space.tps if t not in bad_tp),
                                 eps=tuple(e for e in space.eps if e not in bad_ep),
                                 bad_shardings=tuple(bad_pairs))
+    for cp in space.cps[1:2]:  # a model that splits its sequence two ways splits it any
+        try:
+            evaluator.sharded_costs(ModelSharding(cp=cp))
+        except Infeasible as e:
+            why.append(f"context parallelism: {e}")
+            space = dataclasses.replace(space, cps=(1,))
     if True in space.sps:  # sequence parallelism needs a model whose ops go token by token
         for (tp, ep), point in sorted(first.items()):
             if tp == 1 or ep > 1 or tp in bad_tp:

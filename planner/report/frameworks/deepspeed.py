@@ -18,6 +18,10 @@ from planner.report.frameworks.layout import Exported, Layout
 
 def deepspeed_config(lay: Layout) -> Exported:
     notes: list[str] = []
+    if lay.cp > 1:
+        raise PiperError(f"cp {lay.cp}: DeepSpeed's engine has no context parallelism of "
+                         "its own (its Ulysses splits attention heads, not the sequence): "
+                         "export with --to megatron or --to torchtitan")
     if lay.tp > 1 or lay.ep > 1:
         raise PiperError(f"tp {lay.tp} ep {lay.ep}: DeepSpeed's engine has no tensor or "
                          "expert parallelism of its own (Megatron-DeepSpeed adds it): "

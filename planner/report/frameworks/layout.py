@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from piper.directives import Place
+from piper.directives import Place, ShardSequence
 from piper.model_file import ModelSpec
 from piper.program import Program
 
@@ -72,6 +72,8 @@ class Layout:
     """Transformer layers per stage, in stage order (chunks of a device interleaved)."""
     stage_regions: tuple[tuple[str, ...], ...]
     model: ModelShape
+    cp: int = 1
+    cp_attention: str = "ring"  # how context-parallel attention exchanges keys and values
 
     @property
     def microbatch_size(self) -> int:
@@ -98,7 +100,10 @@ def layout(program: Program, summary: dict[str, Any], global_batch: int, gpus: i
         recompute=summary.get("recompute", False),
         comm_stream=bool(summary.get("comm_stream")), bucket_mb=summary.get("bucket_mb"),
         precision=precision, stage_layers=layers, stage_regions=regions,
-        model=model_shape(spec) if spec is not None else ModelShape())
+        model=model_shape(spec) if spec is not None else ModelShape(),
+        cp=summary.get("cp", 1),
+        cp_attention=next((d.attention for d in program.directives
+                           if isinstance(d, ShardSequence)), "ring"))
 
 
 _LAYER = re.compile(r"layer\.\d+")

@@ -40,7 +40,10 @@ def megatron_args(lay: Layout) -> Exported:
         if not m.tied:
             args.append("--untie-embeddings-and-output-weights")
     args += ["--tensor-model-parallel-size", str(lay.tp),
-             "--pipeline-model-parallel-size", str(lay.pp), "--context-parallel-size", "1"]
+             "--pipeline-model-parallel-size", str(lay.pp),
+             "--context-parallel-size", str(lay.cp)]
+    if lay.cp > 1:  # Megatron's ring is its p2p form
+        args += ["--cp-comm-type", "p2p" if lay.cp_attention == "ring" else "all_gather"]
     if lay.ep > 1:
         args += ["--expert-model-parallel-size", str(lay.ep)]
     if lay.sp:

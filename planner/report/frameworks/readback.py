@@ -34,16 +34,13 @@ def from_torchtitan(path: str, gpus: int) -> tuple[Shorthand, list[str]]:
     notes: list[str] = []
     tp, pp = int(par.get("tensor_parallel_degree", 1)), int(par.get("pipeline_parallel_degree", 1))
     cp, ep = int(par.get("context_parallel_degree", 1)), int(par.get("expert_parallel_degree", 1))
-    if cp > 1:
-        raise PiperError(f"--from torchtitan {path}: context_parallel_degree {cp}: piper-plan "
-                         "has no context parallelism yet")
     replicate = int(par.get("data_parallel_replicate_degree", 1))
     shard = int(par.get("data_parallel_shard_degree", -1))
     if shard == -1:
-        shard, rest = divmod(gpus, tp * pp * replicate)
+        shard, rest = divmod(gpus, tp * pp * cp * replicate)
         if rest or shard < 1:
-            raise PiperError(f"--from torchtitan {path}: tp {tp} x pp {pp} x replicate "
-                             f"{replicate} does not divide --gpus {gpus}")
+            raise PiperError(f"--from torchtitan {path}: tp {tp} x pp {pp} x cp {cp} x "
+                             f"replicate {replicate} does not divide --gpus {gpus}")
     if replicate > 1 and shard > 1:
         notes.append(f"HSDP ({replicate} replicas of {shard}-way FSDP): read as {replicate * shard}"
                      "-way ZeRO-3")
@@ -80,8 +77,14 @@ def from_torchtitan(path: str, gpus: int) -> tuple[Shorthand, list[str]]:
     else:
         recompute = False
     # FSDP units: torchtitan wraps each transformer block (`unit_per_layer`)
-    return ({"pp": pp, "dp": dp, "tp": tp, "sp": tp > 1, "ep": ep, "zero": zero,
-             "schedule": schedule, "virtual_stages": v, "microbatches": microbatches,
+    if cp > 1:
+        rotate = par.get("context_parallel_rotate_method", "allgather")
+        notes.append(f"context_parallel_rotate_method {rotate!r}: read as "
+                     + ("ring attention" if rotate == "alltoall" else "all-gather attention"))
+    return ({"pp": pp, "dp": dp, "tp": tp, "sp": tp > 1, "ep": ep, "cp": cp,
+             "cp_attention": "ring" if cp > 1 and par.get(
+                 "context_parallel_rotate_method") == "alltoall" else "all_gather",
+             "zero": zero, "schedule": schedule, "virtual_stages": v, "microbatches": microbatches,
              "recompute": recompute, "comm_stream": False, "batch_size": batch,
              "unit_per_layer": zero > 0}, notes)
 
@@ -98,7 +101,7 @@ def from_megatron(text: str, gpus: int) -> tuple[Shorthand, list[str]]:
                        ("--global-batch-size", int), ("--num-layers", int),
                        ("--num-layers-per-virtual-pipeline-stage", int),
                        ("--pipeline-model-parallel-layout", str),
-                       ("--recompute-granularity", str)):
+                       ("--recompute-granularity", str), ("--cp-comm-type", str)):
         p.add_argument(flag, type=kind)
     for flag in ("--sequence-parallel", "--use-distributed-optimizer", "--use-torch-fsdp2",
                  "--overlap-grad-reduce"):
@@ -108,12 +111,14 @@ def from_megatron(text: str, gpus: int) -> tuple[Shorthand, list[str]]:
     except (SystemExit, ValueError) as e:
         raise PiperError(f"--from megatron: cannot read the arguments ({e})") from None
     tp, pp = a.tensor_model_parallel_size or 1, a.pipeline_model_parallel_size or 1
-    if (a.context_parallel_size or 1) > 1:
-        raise PiperError(f"--from megatron: --context-parallel-size {a.context_parallel_size}: "
-                         "piper-plan has no context parallelism yet")
-    dp, rest = divmod(gpus, tp * pp)
+    cp = a.context_parallel_size or 1
+    dp, rest = divmod(gpus, tp * pp * cp)
     if rest or dp < 1:
-        raise PiperError(f"--from megatron: tp {tp} x pp {pp} does not divide --gpus {gpus}")
+        raise PiperError(f"--from megatron: tp {tp} x pp {pp} x cp {cp} does not divide "
+                         f"--gpus {gpus}")
+    if cp > 1 and (a.cp_comm_type or "p2p") not in ("p2p", "all_gather"):
+        raise PiperError(f"--from megatron: --cp-comm-type {a.cp_comm_type}: piper-plan runs "
+                         "p2p (ring) and all_gather")
     if a.micro_batch_size is None or a.global_batch_size is None:
         raise PiperError("--from megatron: give --micro-batch-size and --global-batch-size")
     microbatches, rest = divmod(a.global_batch_size, dp * a.micro_batch_size)
@@ -135,7 +140,9 @@ def from_megatron(text: str, gpus: int) -> tuple[Shorthand, list[str]]:
     recompute = {"full": True, "selective": "attention"}.get(a.recompute_granularity or "",
                                                               False)
     return ({"pp": pp, "dp": dp, "tp": tp, "sp": a.sequence_parallel,
-             "ep": a.expert_model_parallel_size or 1, "zero": zero, "schedule": schedule,
+             "ep": a.expert_model_parallel_size or 1, "cp": cp,
+             "cp_attention": "all_gather" if a.cp_comm_type == "all_gather" else "ring",
+             "zero": zero, "schedule": schedule,
              "virtual_stages": v, "microbatches": microbatches, "recompute": recompute,
              "comm_stream": a.overlap_grad_reduce and dp > 1 and zero < 3,
              "batch_size": a.global_batch_size, "unit_per_layer": zero == 3}, [])

@@ -63,8 +63,14 @@ def torchtitan_config(lay: Layout) -> Exported:
     parallelism: dict[str, Any] = {
         "data_parallel_replicate_degree": replicate, "data_parallel_shard_degree": shard,
         "fsdp_reshard_after_forward": reshard, "tensor_parallel_degree": lay.tp,
-        "pipeline_parallel_degree": lay.pp, "context_parallel_degree": 1,
+        "pipeline_parallel_degree": lay.pp, "context_parallel_degree": lay.cp,
         "expert_parallel_degree": lay.ep}
+    if lay.cp > 1:  # torch's ring of K/V shards ("alltoall") or all of them gathered
+        parallelism["context_parallel_rotate_method"] = (
+            "alltoall" if lay.cp_attention == "ring" else "allgather")
+        if lay.zero == 0:
+            notes.append("cp: torchtitan shards parameters with FSDP over the "
+                         "context-parallel ranks (piper-plan sums their gradients as DDP)")
     if lay.pp > 1:
         schedule = SCHEDULES[lay.schedule]
         if lay.schedule == "zb1p":
@@ -82,7 +88,7 @@ def torchtitan_config(lay: Layout) -> Exported:
     sections = {
         "job": {"dump_folder": "./outputs",
                 "description": f"piper-plan: {lay.gpus} devices, dp {lay.dp} pp {lay.pp} "
-                               f"tp {lay.tp}"},
+                               f"tp {lay.tp}" + (f" cp {lay.cp}" if lay.cp > 1 else "")},
         "model": {"name": name, "flavor": flavor},
         "training": training,
         "parallelism": parallelism,

@@ -194,7 +194,8 @@ def torchtitan() -> list[Run]:
 
     def row(label: str, size: tuple, cluster: str, gpus: int, fsdp: int, tp: int, pp: int,
             local_bs: int, seq: int, tps: float, recompute: bool | str, approx: str = "",
-            assumed: str = "", schedule: str = "1f1b", v: int = 1, cp: int = 1) -> None:
+            assumed: str = "", schedule: str = "1f1b", v: int = 1, cp: int = 1,
+            tp_overlap: bool = False) -> None:
         gbs = local_bs * fsdp
         step = gbs * seq / (gpus * tps)
         c = llama_config(size)
@@ -203,7 +204,7 @@ def torchtitan() -> list[Run]:
                        local_bs if pp == 1 else 1, gbs, step, zero=3, schedule=schedule,
                        v=v, recompute=recompute, approx=approx, assumed=assumed,
                        unit_mb=4 * layer / tp / 2**20, sp=tp > 1,  # its TP plan's norms: SP
-                       cp=cp))
+                       cp=cp, tp_overlap=tp_overlap))
 
     seq8k = "seq 8192 (toml default)"
     # torchtitan's `op` policy also recomputes every other matmul; `op` here recomputes none
@@ -242,6 +243,14 @@ def torchtitan() -> list[Run]:
         row(f"Llama 3.1 8B FSDP{fsdp} CP{cp} bs1 seq{seq // 1024}K full AC",
             _llama("llama3-8b", seq=seq), "h100-96gb-500w", 8, fsdp, 1, 1, 1, seq, tps, True,
             approx=f8, assumed="all-gather CP (the default rotate method then)", cp=cp)
+    # table T6: Llama 3.1 405B on 512 GPUs, TP8 (async) PP8 1F1B, FSDP x CP
+    for fsdp, cp, seq, tps in ((8, 1, 32768, 76), (4, 2, 65536, 47), (2, 4, 131072, 31),
+                               (1, 8, 262144, 16)):
+        row(f"Llama 3.1 405B FSDP{fsdp} TP8 PP8 CP{cp} bs8 seq{seq // 1024}K full AC",
+            _llama("405b", seq=seq), "h100-96gb-500w", 512, fsdp, 8, 8, 8, seq, tps, True,
+            approx=f8, cp=cp, tp_overlap=True,
+            assumed="all-gather CP; 8 microbatches of 1 (the stage count, torchtitan's "
+                    "default)")
     return out
 
 

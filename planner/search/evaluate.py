@@ -145,11 +145,12 @@ class Evaluator:
 
     def _crossing_share(self, graph: ModelGraph, sharding: ModelSharding) -> dict[str, float]:
         """Per value crossing regions (the plan's names): the share of it a rank holds
-        under `sharding` (1/tp of the sequence with sequence parallelism, else whole)."""
-        if not sharding.sp:
+        under `sharding` (1/tp of the sequence with sequence parallelism, 1/cp with context
+        parallelism, else whole)."""
+        if not sharding.sp and sharding.cp == 1:
             return {}
         whole = self.captured.graph
-        rename = align(graph, whole, 0, sharding.tp)
+        rename = align(graph, whole, 0, (sharding.tp if sharding.sp else 1) * sharding.cp)
         return {b: graph.value(a).nbytes / max(1, whole.value(b).nbytes)
                 for a, b in rename.items()}
 
@@ -248,7 +249,7 @@ class Evaluator:
         else:  # the rank's slice of the math, plus the collectives inside its chunks
             costs, traffic, share = self._slice(plan.sharding)
             tc = task_costs(plan, costs, self.cluster, mb)
-            if share:  # what crosses stages is 1/tp of the sequence per rank
+            if share:  # what crosses stages is 1/tp (SP) or 1/cp of the sequence per rank
                 tc = dataclasses.replace(tc, value_bytes=tuple(
                     (v, round(b * share.get(v, 1.0))) for v, b in tc.value_bytes))
             durations = with_in_graph_comm(tc, plan, traffic, self.cluster, mb,

@@ -83,7 +83,7 @@ def shorthand_program(args: argparse.Namespace, gpus: int, regions: tuple[str, .
     if bucket is not None:
         if not bucket > 0:
             raise PiperError(f"--bucket-mb must be > 0, got {bucket}")
-        if dp == 1:
+        if dp * cp == 1:
             raise PiperError("--bucket-mb buckets the data-parallel collectives: it needs "
                              f"dp > 1 (got dp={dp})")
         prog = schedules.with_buckets(prog, bucket)

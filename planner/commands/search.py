@@ -28,7 +28,7 @@ def search(args: argparse.Namespace) -> int:
         spec_of,
         tell_regions,
     )
-    from planner.report.advice import warnings_for
+    from planner.report.advice import context_fit, warnings_for
     from planner.report.export import write_figures, write_outputs
     from planner.report.tables import pareto, predicted_line, results_table, summary_line, unused
     from planner.search.evaluate import Evaluator
@@ -150,6 +150,10 @@ def search(args: argparse.Namespace) -> int:
         for note in done.notes:
             log(f"{target}: {note}")
     left = unused(b.summary)
+    fit = context_fit(result, _least_without_cp(space, ev) if b.summary.get("cp", 1) > 1
+                      else None, cluster.memory_bytes)
+    if fit:
+        log(f"note: {fit}")
     parts = ev.memory_parts(best_eval)
     top = max(range(len(parts)), key=lambda i: parts[i].total)
     log(f"best: {summary_line(b.summary)}\n      {predicted_line(b.predicted)}\n"
@@ -180,6 +184,7 @@ def search(args: argparse.Namespace) -> int:
                        for r in pareto(result.records)],
             "distinct_strategies": result.trials - result.repeats,
             "warnings": warnings,
+            "notes": [fit] if fit else [],
             "accuracy": said,
         }
         if default is not None:
@@ -194,6 +199,14 @@ def search(args: argparse.Namespace) -> int:
     else:
         print(b.program.to_python([f"best of {result.trials} trials: {summary_line(b.summary)}"]))
     return EXIT_OK
+
+
+def _least_without_cp(space: Any, ev: Any) -> int | None:
+    """The fewest bytes per device any strategy of `space` without context parallelism
+    needs, by the memory bound (milliseconds a point); None: the space has none."""
+    points = [p for p in space.points() if p.get("cp", 1) == 1]
+    return min((ev.peak_memory_bound(space.program(**v)) for p in points
+                for v in space.variants(p)), default=None)
 
 
 def _target_default(target: str, ev: Any, best: Any) -> dict[str, Any] | None:

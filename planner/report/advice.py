@@ -28,7 +28,8 @@ def warnings_for(*, gpus: int, batch: int, result: SearchResult, best_spans: lis
         enough = gpus * math.ceil(batch / gpus)
         out.append(f"the global batch of {batch} samples caps data parallelism at dp={cap} "
                    f"of the {gpus} devices (a replica needs whole samples): the other "
-                   f"{gpus // cap}x must be pipeline or tensor parallelism, which cost more; "
+                   f"{gpus // cap}x must be pipeline, tensor or context parallelism, which "
+                   "cost more; "
                    f"--batch-size {enough} (a multiple of {gpus}) would let every device "
                    "hold a replica")
     if best_spans and best_summary is not None:
@@ -53,3 +54,22 @@ def warnings_for(*, gpus: int, batch: int, result: SearchResult, best_spans: lis
                    "devices (--gpus), a smaller batch or sequence, or a cluster with more "
                    "memory per device (--cluster) widen the choice")
     return out
+
+
+def context_fit(result: SearchResult, smallest_without: int | None, memory_bytes: int
+                ) -> str | None:
+    """The line saying context parallelism is what made the model fit, when the best
+    strategy splits sequences and nothing without it fits: no trial without it fit, and
+    `smallest_without` (the least any strategy of the space without it needs, by the
+    memory bound; None: the space has none) is over the device's memory."""
+    best = result.best
+    if best is None or best.summary.get("cp", 1) == 1:
+        return None
+    if any(r.feasible and r.summary.get("cp", 1) == 1 for r in result.records):
+        return None
+    if smallest_without is not None and smallest_without <= memory_bytes:
+        return None
+    least = ("" if smallest_without is None else
+             f" (the least of them needs {smallest_without / 2**30:.1f} GiB)")
+    return (f"context parallelism (cp={best.summary['cp']}) is what made the model fit: no "
+            f"strategy without it fits {memory_bytes / 2**30:.0f} GiB per device{least}")

@@ -41,7 +41,7 @@ def unused(s: dict[str, Any]) -> list[str]:
     out = []
     if s["pp"] == 1:
         out.append("no pipeline (pp=1: one stage, no pipeline schedule)")
-    if s["dp"] == 1:
+    if s["dp"] == 1 and s.get("cp", 1) == 1:
         out.append("no data parallelism (dp=1: no ZeRO, buckets or comm stream)")
     if s["tp"] == 1:
         out.append("no tensor parallelism (tp=1: no sequence parallelism)")
@@ -66,14 +66,14 @@ def results_table(records: Sequence[TrialRecord], top: int = 10) -> str:
         if key not in seen and len(rows) < top:
             seen.add(key)
             rows.append(r)
-    head = (f"{'#':>4} {'dp':>4} {'pp':>3} {'tp':>2} {'ep':>2} {'zero':>4} {'mb':>4} "
+    head = (f"{'#':>4} {'dp':>4} {'pp':>3} {'tp':>2} {'ep':>2} {'cp':>2} {'zero':>4} {'mb':>4} "
             f"{'schedule':<16} {'+':<13} {'step ms':>10} {'tokens/s':>12} {'MFU':>6} "
             f"{'peak mem':>11} fits")
     lines = [head, "-" * len(head)]
     for r in rows:
         s, p = r.summary, r.predicted
         lines.append(f"{r.number:>4} {s['dp']:>4} {s['pp']:>3} {s['tp']:>2} {s['ep']:>2} "
-                     f"{s['zero']:>4} {s['microbatches']:>4} "
+                     f"{s.get('cp', 1):>2} {s['zero']:>4} {s['microbatches']:>4} "
                      f"{s['schedule']:<16} {_options(s):<13} "
                      f"{p['step_time_s'] * 1e3:>10.2f} "
                      f"{p['tokens_per_s']:>12,.0f} {p['mfu'] * 100:>5.1f}% "

@@ -109,7 +109,8 @@ def viable(space: PipelineSpace, evaluator: Evaluator) -> tuple[PipelineSpace, l
     Single degrees go first, so a failing pair never takes a good degree out with it."""
     first: dict[tuple[int, int], dict[str, Any]] = {}
     for p in space.points():
-        first.setdefault((p.get("tp", 1), p.get("ep", 1)), p)
+        if p.get("cp", 1) == 1:  # context parallelism is checked on its own, below
+            first.setdefault((p.get("tp", 1), p.get("ep", 1)), p)
     bad_tp, bad_ep, bad_pairs, why = set(), set(), [], []
     for (tp, ep), point in sorted(first.items(), key=lambda kv: (min(kv[0]) > 1, kv[0])):
         if (tp, ep) == (1, 1) or tp in bad_tp or ep in bad_ep:

@@ -51,15 +51,19 @@ def align(got: ModelGraph, plan: ModelGraph, rank: int, sp: int = 1) -> dict[str
     """This rank's capture's value names -> the plan's. A tensor/expert-parallel capture
     has other parameter shapes and op names, but the same regions and the same tensors
     crossing between them, in the same order; with sequence (or context) parallelism over
-    `sp` ranks those tensors may hold 1/sp of the sequence (dim 1)."""
+    `sp` ranks those tensors may hold a 1/f share of the sequence (dim 1), f dividing sp."""
     same = (got.names, got.output_region, [(f.src, f.dst, len(f.values)) for f in got.flows]
             ) == (plan.names, plan.output_region,
                   [(f.src, f.dst, len(f.values)) for f in plan.flows])
     rename = {a: b for fa, fb in zip(got.flows, plan.flows) for a, b in zip(fa.values, fb.values)}
 
     def fits(mine: tuple[int, ...], whole: tuple[int, ...]) -> bool:
+        # split by a factor of `sp`: sequence and context parallelism together split the
+        # hidden states both ways, what only one of them splits (a Hugging Face decoder's
+        # rotary tables under CP) one way
         return mine == whole or (sp > 1 and len(mine) >= 2 and len(mine) == len(whole)
-                                 and mine[1] * sp == whole[1]
+                                 and mine[1] > 0 and whole[1] % mine[1] == 0
+                                 and sp % (whole[1] // mine[1]) == 0
                                  and mine[:1] + mine[2:] == whole[:1] + whole[2:])
 
     if not same or any(not fits(tuple(got.value(a).shape), tuple(plan.value(b).shape))

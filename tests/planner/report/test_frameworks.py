@@ -42,19 +42,20 @@ def _stages(n: int) -> list[list[str]]:
     return [regions[a:b] for a, b in itertools.pairwise(cuts)]
 
 
-# name: (schedule, pp, virtual stages, dp, tp, zero, microbatches, recompute)
+# name: (schedule, pp, virtual stages, dp, tp, zero, microbatches, recompute, cp)
 STRATEGIES = {
-    "fsdp": ("none", 1, 1, 16, 1, 3, 2, True),
-    "tp_sp_interleaved": ("interleaved-1f1b", 2, 2, 2, 4, 1, 4, "op"),
-    "pp4_1f1b_ddp": ("1f1b", 4, 1, 4, 1, 0, 8, False),
+    "fsdp": ("none", 1, 1, 16, 1, 3, 2, True, 1),
+    "tp_sp_interleaved": ("interleaved-1f1b", 2, 2, 2, 4, 1, 4, "op", 1),
+    "pp4_1f1b_ddp": ("1f1b", 4, 1, 4, 1, 0, 8, False, 1),
+    "fsdp_cp4": ("none", 1, 1, 4, 1, 3, 2, True, 4),
 }
 
 
 def _strategy(name: str, spec):
-    schedule, pp, v, dp, tp, zero, m, rc = STRATEGIES[name]
+    schedule, pp, v, dp, tp, zero, m, rc, cp = STRATEGIES[name]
     prog = schedules.build(schedule, _stages(pp * v), microbatches=m, dp=dp, pp=pp, zero=zero,
                            recompute=rc)
-    prog = schedules.shard(prog, tp=tp, sp=tp > 1)
+    prog = schedules.shard(prog, tp=tp, sp=tp > 1, cp=cp)
     return layout(prog, prog.summary(), BATCH, GPUS, spec, "bf16-mixed")
 
 
@@ -95,9 +96,10 @@ def test_torchtitan_loads_the_config_with_the_strategys_degrees(name, spec, tita
     cfg = titan_manager().parse_args(["--job.config_file", str(path)])
     par, train = cfg.parallelism, cfg.training
     dp = par.data_parallel_replicate_degree * par.data_parallel_shard_degree
-    assert (dp, par.tensor_parallel_degree, par.pipeline_parallel_degree) == (
-        lay.dp, lay.tp, lay.pp)
-    assert dp * par.tensor_parallel_degree * par.pipeline_parallel_degree == GPUS
+    assert (dp, par.tensor_parallel_degree, par.pipeline_parallel_degree,
+            par.context_parallel_degree) == (lay.dp, lay.tp, lay.pp, lay.cp)
+    assert (dp * par.tensor_parallel_degree * par.pipeline_parallel_degree
+            * par.context_parallel_degree) == GPUS
     assert (cfg.model.name, cfg.model.flavor) == ("llama3", "8B")
     assert train.global_batch_size == BATCH
     if lay.pp > 1:  # one step: local batch in microbatches through the pipeline
@@ -123,8 +125,9 @@ def test_megatron_arguments_are_its_options_and_add_up(name, spec):
     tp, pp = int(value["--tensor-model-parallel-size"]), int(
         value["--pipeline-model-parallel-size"])
     mbs, gbs = int(value["--micro-batch-size"]), int(value["--global-batch-size"])
-    assert (tp, pp, gbs) == (lay.tp, lay.pp, BATCH)
-    assert gbs == (GPUS // (tp * pp)) * mbs * lay.microbatches
+    cp = int(value["--context-parallel-size"])
+    assert (tp, pp, cp, gbs) == (lay.tp, lay.pp, lay.cp, BATCH)
+    assert gbs == (GPUS // (tp * pp * cp)) * mbs * lay.microbatches
     assert ("--sequence-parallel" in flags) == lay.sp
     if pp > 1:  # the stage split, as Megatron's layout string
         stages = value["--pipeline-model-parallel-layout"].split("|")
@@ -169,6 +172,8 @@ def test_what_a_target_cannot_run_is_named_or_refused(spec):
     lay = _strategy("tp_sp_interleaved", spec)
     with pytest.raises(PiperError, match="DeepSpeed's engine has no tensor"):
         TARGETS["deepspeed"](lay)
+    with pytest.raises(PiperError, match="no context parallelism of its own"):
+        TARGETS["deepspeed"](_strategy("fsdp_cp4", spec))
     notes = TARGETS["torchtitan"](lay).notes
     assert any(n.startswith("zero 1: torchtitan has no ZeRO-1") for n in notes)
     assert any(n.startswith("recompute op:") for n in notes)
@@ -183,8 +188,10 @@ def test_reading_a_config_back_gives_the_strategy(name, spec, tmp_path):
     titan, _ = from_torchtitan(str(path), GPUS)
     megatron, _ = from_megatron(TARGETS["megatron"](lay).text, GPUS)
     for got in (titan, megatron):
-        assert (got["pp"], got["dp"], got["tp"], got["sp"], got["microbatches"],
-                got["batch_size"]) == (lay.pp, lay.dp, lay.tp, lay.sp, lay.microbatches, BATCH)
+        assert (got["pp"], got["dp"], got["tp"], got["sp"], got["cp"], got["microbatches"],
+                got["batch_size"]) == (lay.pp, lay.dp, lay.tp, lay.sp, lay.cp,
+                                       lay.microbatches, BATCH)
+        assert lay.cp == 1 or got["cp_attention"] == lay.cp_attention
         assert got["schedule"] == lay.schedule
         assert got["virtual_stages"] == lay.virtual_stages
     assert titan["zero"] == (2 if lay.zero == 1 else lay.zero), "torchtitan has no ZeRO-1"

@@ -60,3 +60,28 @@ def test_a_pair_that_fails_together_takes_out_only_the_pair():
     assert (2, 2) not in degrees(space) and {(1, 2), (2, 1), (2, 4)} <= degrees(space)
     assert space.bad_shardings == ((2, 2),)
     assert "tp=2 with ep=2: tp=2 ep=2: the model does not run split this way" in why
+
+
+def test_context_parallel_degrees_leave_each_rank_balanced_chunks_of_enough_tokens():
+    from planner.search.space import context_degrees
+
+    assert context_degrees(8192, 8) == (1, 2, 4, 8)
+    assert context_degrees(4096, 8) == (1, 2, 4), "8 ranks would keep 512 tokens"
+    assert context_degrees(2050, 2) == (1,), "2050 tokens make no 4 equal chunks"
+    assert context_degrees(16, 4) == (1,)
+
+
+def test_context_parallelism_is_a_degree_of_the_space_beside_dp_tp_and_pp():
+    llama = load_model_file(str(ROOT / "examples" / "llama.py"),
+                            (("size", "tiny"), ("seq", 2048)))
+    ev = Evaluator(llama, 4, 8, CATALOG["h100-80gb"])
+    space, why = search_space(ev, 8)
+    assert space.cps == (1, 2) and not [w for w in why if "context" in w]
+    cps = {p.get("cp", 1) for p in space.points()}
+    assert cps == {1, 2}
+    # ZeRO over the context-parallel ranks needs no replicas; expert parallelism is refused
+    assert space.violation(pp=1, microbatches=1, schedule="none", zero=3, cp=2, tp=2) is None
+    assert "expert" in space.violation(pp=1, microbatches=1, schedule="none", cp=2, ep=2)
+    prog = space.program(pp=1, microbatches=1, schedule="none", zero=3, cp=4)
+    assert prog.summary()["cp"] == 4 and prog.summary()["dp"] == 1
+    assert ev.evaluate(prog).plan.world_size == 4

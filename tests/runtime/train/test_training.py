@@ -79,6 +79,11 @@ RESUMES = {
         ["--gpus", "4", "--pp", "2", "--dp", "2", "--zero", "3", "--microbatches", "4"],
         ["--gpus", "4", "--tp", "2", "--dp", "2", "--zero", "1", "--microbatches", "2"],
         [GPT, *TINY, "--model-arg", "tie=true"]),
+    # ZeRO-3 shards over dp x cp resumed as tensor parallelism (a Llama: RoPE positions)
+    "llama_cp2_dp2_zero3_to_tp2_sp": (
+        ["--gpus", "4", "--cp", "2", "--dp", "2", "--zero", "3", "--microbatches", "2"],
+        ["--gpus", "2", "--tp", "2", "--sp", "--microbatches", "2"],
+        [str(ROOT / "examples" / "llama.py"), *TINY]),
     "moe_ep2_dp2_zero2_to_pp2_dualpipev": (
         ["--gpus", "2", "--dp", "2", "--ep", "2", "--zero", "2"],
         ["--gpus", "2", "--pp", "2", "--schedule", "dualpipev", "--microbatches", "4"],

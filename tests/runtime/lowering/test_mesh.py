@@ -24,3 +24,14 @@ def test_groups_are_every_lifted_group_once_in_one_order() -> None:
     assert m.groups(((0, 1, 2, 3),)) == [(0, 1), (0, 1, 2, 3), (0, 2), (1, 3), (2, 3)]
     t = Mesh(pp=1, dp=2, tp=2)
     assert t.groups(((0, 1),)) == [(0, 1), (0, 2), (1, 3), (2, 3)]
+
+
+def test_context_parallel_ranks_sit_between_tensor_and_data_parallel_ones() -> None:
+    m = Mesh(pp=1, dp=2, tp=2, cp=2)  # physical ((L * cp) + c) * tp + t
+    assert m.world_size == 8 and m.inner == 4
+    assert m.split(6) == (1, 2), "logical rank 1, context index 1, tensor index 0"
+    assert m.tp_group(1, 2) == (6, 7) and m.cp_group(1, 3) == (5, 7)
+    # replicas' gradients are summed over every context-parallel rank of equal t
+    assert m.dp_lift((0, 1), 1) == (1, 3, 5, 7) and m.dp_lift((0, 1), 2) == (0, 2, 4, 6)
+    assert m.groups(((0, 1),)) == [(0, 1), (0, 2), (0, 2, 4, 6), (1, 3), (1, 3, 5, 7),
+                                   (2, 3), (4, 5), (4, 6), (5, 7), (6, 7)]

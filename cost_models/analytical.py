@@ -25,6 +25,7 @@ from cost_models.kernels import Gemm, gemm_seconds
 from cost_models.loss_ops import loss_kernels
 from cost_models.saved import saved_bytes
 from piper.capture import Captured, graph_on_meta, to_meta
+from piper.moe import routed_shapes
 
 BACKWARD_FLOPS_RATIO = 2.0
 """Backward = grad wrt inputs + grad wrt weights, each about one forward's matmuls."""
@@ -330,6 +331,14 @@ class _RegionCounter(fx.Interpreter):
             out = to_meta(n.meta.get("val"))
         r = self.node_region.get(n.name, 0)
         flops = self.mode.get_total_flops() - before
+        routed = routed_shapes(n)
+        if routed is not None:  # dropless experts: GEMMs over the routed rows alone
+            flops = 0
+            for key, count in routed_keys(routed, _low_precision(out),
+                                          n.args[0].meta["val"].element_size()):  # type: ignore
+                self.ops[r][key] = self.ops[r].get(key, 0) + count
+                flops += key[0] * count
+            self.node_keys[n.name] = key
         if getattr(n.target, "_piper_cp", False):  # context-parallel attention
             flops = context_attention_flops(n)
             key = (flops, _low_precision(out), CAUSAL_WORK if n.args[4] else 1.0, 0, True,
@@ -369,6 +378,23 @@ def _gemm_shape(flops: int, args: list[object], out: object) -> tuple[int, ...]:
 CAUSAL_WORK = 0.5
 """Share of a causal attention's counted FLOPs its fused kernel runs: the blocks above the
 diagonal are skipped, (s + 1) / 2s of the s x s scores, about half at training lengths."""
+
+
+def routed_keys(shapes: tuple[int, int, int, int, int, int], low_precision: bool,
+                element_size: int) -> list[tuple[_Key, int]]:
+    """Op groups of a dropless `routed_experts` node (`piper.moe`), router balanced: each
+    local expert's two GEMMs over its T k / local rows (after the exchange a rank holds as
+    many rows as it sent), and the bytes its gathers, GELU and gate-weighted sum stream."""
+    t, k, d, h, local, _ = shapes
+    m = max(1, round(t * k / local))
+    out = []
+    for n_, k_ in ((h, d), (d, h)):
+        gemm = (2 * m * n_ * k_, low_precision, 1.0, element_size * (m * k_ + k_ * n_ + m * n_),
+                False, (1, m, n_, k_), False)
+        out.append((gemm, local))
+    moved = element_size * (6 * t * k * d + 2 * t * k * h + t * d)
+    out.append(((0, low_precision, 1.0, moved, False, (), False), 1))
+    return out
 
 
 def context_attention_flops(n: fx.Node) -> int:

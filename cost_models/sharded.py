@@ -22,6 +22,7 @@ from cost_models.analytical import (
 from cost_models.cluster import ClusterSpec
 from cost_models.task_costs import TaskCosts
 from piper.capture import Captured
+from piper.moe import routed_shapes
 from runtime.execute.regather import is_sequence_gather, regathering_users
 from runtime.lowering.plan import Plan
 
@@ -32,7 +33,9 @@ class InGraphComm:
 
     forward_all_reduce: tuple[tuple[int, ...], ...]
     backward_all_reduce: tuple[tuple[int, ...], ...]
-    all_to_all: tuple[tuple[int, ...], ...]  # each runs once forward and once backward
+    all_to_all: tuple[tuple[int, ...], ...]
+    """Expert parallelism (`piper.moe`): the routed rows' exchanges (and the row counts
+    before them), each run once forward and once backward."""
     forward_all_gather: tuple[tuple[int, ...], ...] = ()
     """Gathered output bytes (a vocabulary-parallel output layer); backward keeps a slice."""
     sequence_scatter: tuple[tuple[int, ...], ...] = ()
@@ -85,13 +88,21 @@ def in_graph_comm(captured: Captured) -> InGraphComm:
     splits: list[list[int]] = [[] for _ in range(n)]
     # leaving sequence parallelism for replicated code gathers as a vocabulary-parallel
     # output layer does (forward, a slice backward)
-    into = {"tp_reduce": fwd, "tp_copy": bwd, "all_to_all": a2a, "tp_gather": gather,
+    into = {"tp_reduce": fwd, "tp_copy": bwd, "tp_gather": gather,
             "sp_scatter": scatter, "sp_gather": sp_gathers, "sp_gather_whole": gather,
             "sp_split": splits}
     kv: list[list[int]] = [[] for _ in range(n)]
     acc: list[list[int]] = [[] for _ in range(n)]
     flops: list[list[float]] = [[] for _ in range(n)]
     for node in captured.program.graph.nodes:
+        routed = routed_shapes(node) if node.op == "call_function" else None
+        if routed is not None and routed[5] > 1:  # dropless experts over an EP group
+            t, k, d, _, local, ep = routed
+            size = node.args[0].meta["val"].element_size()  # type: ignore[union-attr]
+            region = captured.node_region[node.name]
+            # the per-expert row counts, then the routed rows there and back
+            a2a[region] += [8 * local * ep, size * t * k * d, size * t * k * d]
+            continue
         if node.op == "call_function" and getattr(node.target, "_piper_cp", False):
             region = captured.node_region[node.name]
             k, v = (node.args[i].meta["val"] for i in (1, 2))  # type: ignore[union-attr]

@@ -36,7 +36,7 @@ from piper.capture_errors import export_failure, failing_module, user_frame
 from piper.context_parallel import sequence_of
 from piper.errors import PiperError
 from piper.model_file import ModelSpec
-from piper.moe import expert_modules
+from piper.moe import eager_experts, expert_modules
 from piper.regions import AutoRegions, annotate_automatically
 from piper.sequence_split import local_example, split_sequence
 from piper.sharding import ModelSharding
@@ -168,6 +168,7 @@ def capture(spec: ModelSpec, batch: int, sharding: ModelSharding | None = None, 
     model, ep, targets, auto = _export(spec, batch, sharding, prepare, automatic=False)
     if not any(_tag(n) for n in ep.graph.nodes if n.op == "call_function"):
         model, ep, targets, auto = _export(spec, batch, sharding, prepare, automatic=True)
+    eager_experts(ep.graph_module)  # routed experts run their data-dependent work eagerly
     if sharding is not None and sharding.cp > 1:
         local = sequence_of(ep.example_inputs)
         split_sequence(ep.graph_module, local, sharding.cp, sharding.cp_mode, exact=exact,

@@ -1,6 +1,7 @@
 """Collectives that live *inside* a chunk's graph: Megatron's f/g for tensor parallelism (and
-the gather after a vocabulary-parallel output layer) and the all-to-all of expert
-parallelism.
+the gather after a vocabulary-parallel output layer) and sequence parallelism's gathers and
+scatters; the groups of expert (`piper.moe`) and context parallelism
+(`piper.context_parallel`), whose exchanges run inside their own ops.
 
 They are `torch.library` custom ops with their own autograd formulas, so `torch.export`
 records each as one node (the captured graph keeps them; stage modules replay them) and
@@ -53,6 +54,11 @@ def set_wire_dtype(dtype: torch.dtype | None) -> None:
     _wire[0] = dtype
 
 
+def wire_dtype() -> torch.dtype | None:
+    """The dtype floating tensors cross in-graph collectives in (None: as they are)."""
+    return _wire[0]
+
+
 def _on_wire(x: torch.Tensor) -> torch.Tensor:
     wire = _wire[0]
     if wire is None or not x.is_floating_point() or x.dtype == wire:
@@ -66,15 +72,6 @@ def _all_reduce(x: torch.Tensor, key: int) -> torch.Tensor:
     group = bound_group(key)
     with lanes.waiting():
         dist.all_reduce(out, group=group)
-    return out.to(x.dtype)
-
-
-def _all_to_all(x: torch.Tensor, key: int) -> torch.Tensor:
-    src = _on_wire(x)
-    out = torch.empty_like(src)
-    group = bound_group(key)
-    with lanes.waiting():
-        dist.all_to_all_single(out, src, group=group)
     return out.to(x.dtype)
 
 
@@ -110,20 +107,6 @@ def _(x: torch.Tensor, group: int) -> torch.Tensor:
 
 tp_reduce.register_autograd(lambda ctx, g: (g, None), setup_context=_keep_group)
 
-
-# ---- all-to-all over equal chunks of dim 0 (its own transpose, so also its backward) ----
-@torch.library.custom_op("piper::all_to_all", mutates_args=())
-def all_to_all(x: torch.Tensor, group: int) -> torch.Tensor:
-    return _all_to_all(x, group)
-
-
-@all_to_all.register_fake
-def _(x: torch.Tensor, group: int) -> torch.Tensor:
-    return torch.empty_like(x)
-
-
-all_to_all.register_autograd(lambda ctx, g: (_all_to_all(g, ctx.group), None),
-                             setup_context=_keep_group)
 
 # ---- all-gather over the last dim forward, this rank's slice backward -------------------
 # (leaves a column-parallel layer whose whole output every rank needs: a vocabulary-parallel
@@ -248,6 +231,6 @@ sp_gather_whole.register_autograd(
     setup_context=_keep_degree)
 
 IN_GRAPH_OPS = {"tp_copy": TP_GROUP, "tp_reduce": TP_GROUP, "tp_gather": TP_GROUP,
-                "sp_gather": TP_GROUP, "sp_scatter": TP_GROUP, "all_to_all": EP_GROUP,
+                "sp_gather": TP_GROUP, "sp_scatter": TP_GROUP,
                 "sp_split": TP_GROUP, "sp_gather_whole": TP_GROUP}
 """Op name -> the group it runs over (cost models price these nodes as collectives)."""

@@ -64,7 +64,7 @@ def predicted_of(path: str) -> dict | None:
     return None
 
 
-TRIAL_COLUMNS = ("dp", "pp", "tp", "sp", "ep", "zero", "schedule", "virtual_stages",
+TRIAL_COLUMNS = ("dp", "pp", "tp", "sp", "ep", "cp", "zero", "schedule", "virtual_stages",
                  "microbatches", "recompute", "comm_stream", "bucket_mb")
 """trials.csv's strategy columns: every figure of a Program's summary."""
 
@@ -87,7 +87,8 @@ def write_outputs(out: Path, spec: ModelSpec, cluster: str, gpus: int, batch_siz
                     "max_peak_memory_bytes", "feasible"])
         for r in sorted(result.records, key=lambda r: r.number):
             s, p = r.summary, r.predicted
-            w.writerow([r.number, *(s.get(c) for c in TRIAL_COLUMNS), p["step_time_s"],
+            w.writerow([r.number, *(s.get(c, 1 if c == "cp" else None) for c in TRIAL_COLUMNS),
+                        p["step_time_s"],
                         p["tokens_per_s"], p["mfu"], max(p["peak_memory_bytes"]),
                         r.feasible])
     summary = out / "summary.txt"

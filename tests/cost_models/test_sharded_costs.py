@@ -91,11 +91,14 @@ def test_chunk_times_grow_by_exactly_the_in_graph_collectives() -> None:
     costs = Evaluator(spec, 2, 16, cluster).sharded_costs(plan.sharding)[0]
     base = task_costs(plan, costs, cluster, 4)
     got = with_in_graph_comm(base, plan, in_graph_comm(cap), cluster, 4)
-    per = all_to_all_time(4 * 4 * 16 * 32 * 4, (0, 1), cluster)  # [E=4, C=4x16, 32] fp32
-    assert got.forward_s[0] - base.forward_s[0] == pytest.approx(4 * per)
-    assert got.backward_s[0] - base.backward_s[0] == pytest.approx(4 * per)
+    # per MoE layer: the row counts (2 local experts x 2 ranks, int64), then the routed
+    # rows there and back: 4 x 16 tokens x top-2 rows of 32 fp32, not E x T of them
+    per = all_to_all_time(4 * 16 * 2 * 32 * 4, (0, 1), cluster)
+    counts = all_to_all_time(4 * 8 * 2 * 2, (0, 1), cluster)  # priced at 4 samples too
+    assert got.forward_s[0] - base.forward_s[0] == pytest.approx(2 * (2 * per + counts))
+    assert got.backward_s[0] - base.backward_s[0] == pytest.approx(2 * (2 * per + counts))
     lat, bw = comm.link(cluster, (0, 1))
-    assert per == pytest.approx(lat + 0.5 * 32768 / bw)
+    assert per == pytest.approx(lat + 0.5 * 16384 / bw)
 
 
 def test_tensor_parallel_halves_the_math_and_adds_all_reduces() -> None:
@@ -170,3 +173,13 @@ def test_hugging_face_sequence_parallelism_gathers_at_blocks_and_splits_once(tmp
     assert not any(traffic.sequence_split[r] for r in layers[1:])
     head = names.index("head")
     assert traffic.forward_all_gather[head] == (whole,)
+
+
+def test_routed_experts_cost_the_routed_rows_not_every_expert_on_every_token() -> None:
+    spec = load_model_file(str(ROOT / "examples" / "moe.py"), TINY)
+    costs = Evaluator(spec, 1, 16, load_cluster("h100-80gb")).costs
+    experts = costs.forward_flops[costs.regions.index("experts.0")]
+    router = 2 * 16 * 32 * 4  # 16 tokens x dim 32 x 4 experts
+    # two GEMMs over 16 tokens x top-2 rows (dim 32, hidden 64); a dense [E, T] buffer
+    # would be 4 x 16 rows, twice as many
+    assert experts - router == 2 * 2 * (16 * 2) * 32 * 64

@@ -400,8 +400,8 @@ def test_every_output_names_a_strategy_the_same_way(searched):
     table = [line.split() for line in (out / "summary.txt").read_text().splitlines()
              if line.strip()[:1].isdigit() and len(line.split()) > 8]
     assert table
-    for cells in table:  # trial dp pp tp ep zero mb schedule ...
-        assert cells[7] == by_trial[cells[0]]["schedule"], cells
+    for cells in table:  # trial dp pp tp ep cp zero mb schedule ...
+        assert cells[8] == by_trial[cells[0]]["schedule"], cells
     best = res["best"]
     assert f"name={best['program']['name']!r}" in (out / "best_strategy.py").read_text()
     wrote = [line for line in (out / "stderr.txt").read_text().splitlines()

@@ -23,6 +23,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from cost_models.cluster import ClusterSpec
 from cost_models.kernels import Gemm, gemm_seconds
 from cost_models.loss_ops import loss_kernels
+from cost_models.piper_ops import OpKey, context_attention_flops, routed_keys
 from cost_models.saved import saved_bytes
 from piper.capture import Captured, graph_on_meta, to_meta
 from piper.moe import routed_shapes
@@ -287,7 +288,7 @@ def model_costs(captured: Captured) -> ModelCosts:
     )
 
 
-_Key = tuple[int, bool, float, int, bool, tuple[int, ...], bool]
+_Key = OpKey
 
 
 def _op_groups(groups: dict[_Key, int]) -> tuple[OpGroup, ...]:
@@ -378,34 +379,6 @@ def _gemm_shape(flops: int, args: list[object], out: object) -> tuple[int, ...]:
 CAUSAL_WORK = 0.5
 """Share of a causal attention's counted FLOPs its fused kernel runs: the blocks above the
 diagonal are skipped, (s + 1) / 2s of the s x s scores, about half at training lengths."""
-
-
-def routed_keys(shapes: tuple[int, int, int, int, int, int], low_precision: bool,
-                element_size: int) -> list[tuple[_Key, int]]:
-    """Op groups of a dropless `routed_experts` node (`piper.moe`), router balanced: each
-    local expert's two GEMMs over its T k / local rows (after the exchange a rank holds as
-    many rows as it sent), and the bytes its gathers, GELU and gate-weighted sum stream."""
-    t, k, d, h, local, _ = shapes
-    m = max(1, round(t * k / local))
-    out = []
-    for n_, k_ in ((h, d), (d, h)):
-        gemm = (2 * m * n_ * k_, low_precision, 1.0, element_size * (m * k_ + k_ * n_ + m * n_),
-                False, (1, m, n_, k_), False)
-        out.append((gemm, local))
-    moved = element_size * (6 * t * k * d + 2 * t * k * h + t * d)
-    out.append(((0, low_precision, 1.0, moved, False, (), False), 1))
-    return out
-
-
-def context_attention_flops(n: fx.Node) -> int:
-    """Counted forward FLOPs of a context-parallel attention node
-    (`piper.context_parallel.attention(q, k, v, scale, causal, degree, mode)`): the rank's
-    queries against the whole sequence's keys, 4 b h t (t cp) d, as ATen counts
-    scaled-dot-product attention. The head-tail split gives every rank the same share of
-    the causal pairs, so the causal work share applies as it does on one device."""
-    q = n.args[0].meta["val"]  # type: ignore[union-attr]
-    b, h, t, d = (int(x) for x in q.shape[-4:])
-    return 4 * b * h * t * (t * int(n.args[5])) * d  # type: ignore[arg-type]
 
 
 def _fused_attention(n: fx.Node) -> bool:

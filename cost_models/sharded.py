@@ -13,13 +13,9 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from cost_models import comm
-from cost_models.analytical import (
-    ATTENTION_BACKWARD_RATIO,
-    CAUSAL_WORK,
-    ModelCosts,
-    context_attention_flops,
-)
+from cost_models.analytical import ATTENTION_BACKWARD_RATIO, CAUSAL_WORK, ModelCosts
 from cost_models.cluster import ClusterSpec
+from cost_models.piper_ops import context_attention_flops
 from cost_models.task_costs import TaskCosts
 from piper.capture import Captured
 from piper.moe import routed_shapes

@@ -94,15 +94,33 @@ def _balanced(rows: int, experts: int) -> list[int]:
     return [base + (1 if e < extra else 0) for e in range(experts)]
 
 
-def grouped_ffn(rows: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, counts: list[int]
-                ) -> torch.Tensor:
+def grouped_ffn(rows: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, counts: list[int],
+                grouped: bool | None = None) -> torch.Tensor:
     """Each expert's GELU MLP over its consecutive `counts[e]` rows: one grouped GEMM per
-    layer (`torch._grouped_mm`) where its alignment rule holds, else one GEMM per expert."""
-    if _grouped_mm_fits(rows, w1, w2):
+    layer (`torch._grouped_mm`) or one GEMM per expert. `grouped` None: grouped on a GPU
+    where its alignment rule holds (on a CPU it is no faster than the loop:
+    benchmarks/ep_vs_reference.py)."""
+    if grouped is None:
+        grouped = rows.device.type == "cuda"
+    if grouped and _grouped_mm_fits(rows, w1, w2):
         offs = torch.tensor(counts, device=rows.device).cumsum(0).to(torch.int32)
-        return torch._grouped_mm(F.gelu(torch._grouped_mm(rows, w1, offs=offs)), w2, offs=offs)
+        out = torch._grouped_mm(F.gelu(torch._grouped_mm(rows, w1, offs=offs)), w2, offs=offs)
+        return _DenseGrad.apply(out)
     parts = rows.split(counts)
     return torch.cat([F.gelu(p @ w1[e]) @ w2[e] for e, p in enumerate(parts)])
+
+
+class _DenseGrad(torch.autograd.Function):
+    """Identity whose backward hands on a dense gradient: `torch._grouped_mm`'s backward
+    refuses an expanded one (the gradient of a sum, say)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+        return g.contiguous()
 
 
 def _grouped_mm_fits(rows: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> bool:

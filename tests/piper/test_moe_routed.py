@@ -59,11 +59,15 @@ def test_grouped_gemm_and_the_loop_over_experts_agree():
     rows = torch.randn(10, 16)
     w1, w2 = torch.randn(3, 16, 8), torch.randn(3, 8, 16)
     counts = [3, 0, 7]  # an expert no row was routed to
-    fast = grouped_ffn(rows, w1, w2, counts)
+    leaves = [t.clone().requires_grad_() for t in (rows, w1, w2)]
+    fast = grouped_ffn(*leaves, counts, grouped=True)
     slow = torch.cat([F.gelu(p @ w1[e]) @ w2[e] for e, p in enumerate(rows.split(counts))])
     torch.testing.assert_close(fast, slow)
+    fast.sum().backward()  # an expanded gradient, which torch._grouped_mm refuses itself
+    assert all(t.grad is not None for t in leaves)
     odd = torch.randn(5, 6)  # rows of 24 bytes: torch._grouped_mm's rule fails, the loop runs
-    torch.testing.assert_close(grouped_ffn(odd, torch.ones(1, 6, 2), torch.ones(1, 2, 6), [5]),
+    torch.testing.assert_close(grouped_ffn(odd, torch.ones(1, 6, 2), torch.ones(1, 2, 6), [5],
+                                           grouped=True),
                                F.gelu(odd @ torch.ones(6, 2)) @ torch.ones(2, 6))
 
 

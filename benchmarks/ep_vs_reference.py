@@ -26,8 +26,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from piper.collectives import EP_GROUP, bind_group  # noqa: E402
-from piper.moe import routed_experts  # noqa: E402
+from piper.collectives import EP_GROUP, bind_group
+from piper.moe import routed_experts
 
 
 def reference(x, idx, gate, w1, w2, experts: int, ep: int) -> torch.Tensor:

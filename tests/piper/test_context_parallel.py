@@ -3,16 +3,14 @@ equal its tokens' share of one full-sequence `scaled_dot_product_attention`."""
 
 from __future__ import annotations
 
-import socket
-
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from piper import context_parallel as cp
 from piper.collectives import CP_GROUP, bind_group
+from tests.gloo_ranks import run_ranks
 
 
 def test_head_tail_positions_cover_the_sequence_with_equal_causal_work():
@@ -49,18 +47,8 @@ def _worker(rank: int, degree: int, port: int, mode: str, causal: bool, out: dic
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.parametrize(("mode", "degree", "causal"), [
     ("ring", 2, True), ("ring", 4, True), ("all_gather", 2, True), ("ring", 2, False)])
 def test_attention_matches_full_sequence_sdpa(mode, degree, causal):
-    with mp.Manager() as manager:
-        out = manager.dict()
-        mp.start_processes(_worker, args=(degree, _free_port(), mode, causal, out),
-                           nprocs=degree, start_method="spawn", join=True)
-        assert sorted(out) == list(range(degree))
-        assert max(out.values()) < 1e-9, dict(out)
+    out = run_ranks(_worker, degree, mode, causal)
+    assert max(out.values()) < 1e-9, out

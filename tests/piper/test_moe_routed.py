@@ -4,17 +4,15 @@ outputs and gradients equal a token-by-token reference, on one rank or over a gl
 
 from __future__ import annotations
 
-import socket
-
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
 from piper.collectives import EP_GROUP, bind_group
 from piper.moe import grouped_ffn, routed_experts
+from tests.gloo_ranks import run_ranks
 
 T, K, D, H, E = 12, 2, 16, 32, 4
 
@@ -106,21 +104,11 @@ def _worker(rank: int, ep: int, port: int, out: dict) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.parametrize("ep", [2])
 def test_expert_parallel_exchange_moves_only_routed_rows_and_matches(ep):
-    with mp.Manager() as manager:
-        out = manager.dict()
-        mp.start_processes(_worker, args=(ep, _free_port(), out), nprocs=ep,
-                           start_method="spawn", join=True)
-        assert sorted(out) == list(range(ep))
-        assert max(err for err, _, _ in out.values()) < 1e-10
-        # forward: the routed rows there and back; backward: their gradients there and back
-        # (what a rank receives depends on the router; over the group, sent = received)
-        moved, rows = (sum(v[i] for v in out.values()) for i in (1, 2))
-        assert moved == 4 * rows, (moved, rows)
+    out = run_ranks(_worker, ep)
+    assert max(err for err, _, _ in out.values()) < 1e-10
+    # forward: the routed rows there and back; backward: their gradients there and back
+    # (what a rank receives depends on the router; over the group, sent = received)
+    moved, rows = (sum(v[i] for v in out.values()) for i in (1, 2))
+    assert moved == 4 * rows, (moved, rows)

@@ -19,7 +19,6 @@ same cluster, batch and precision) runs as a user runs it; its pick is re-simula
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import subprocess
 import sys
@@ -31,11 +30,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from cost_models import load_cluster
-from piper.errors import PiperError
 from piper.model_file import load_model_file
 from piper.program import Program
+from planner.report.frameworks.recipes import Recipe, best_setting
 from planner.search.evaluate import Evaluation, Evaluator
-from planner.search.strategy import shorthand_program
 
 LLAMA = str(ROOT / "examples" / "llama.py")
 CLUSTER = "h100-80gb"
@@ -48,56 +46,15 @@ CASES = {  # size: (examples/llama.py config, GPUs, global batch in sequences)
 MEGATRON = {"8b": (1, 1, 1), "70b": (4, 8, 5), "405b": (8, 8, 8)}  # tp, pp, vp
 
 
-@dataclasses.dataclass(frozen=True)
-class Strategy:
-    label: str
-    tp: int
-    pp: int
-    zero: int
-    schedule: str = "1f1b"
-    v: int = 1
-    unit_mb: float | None = None
-
-
-def defaults(size: str, ev: Evaluator) -> list[Strategy]:
-    unit = 4 * ev.costs.params_of(["layer.0"]) / 2**20  # one layer, fp32: FSDP's unit
-    out = [Strategy("torchtitan FSDP", 1, 1, 3, unit_mb=unit),
-           Strategy("torchtitan FSDP + TP 8", 8, 1, 3, unit_mb=unit)]
+def defaults(size: str) -> list[Recipe]:
+    out = [Recipe("torchtitan FSDP", 1, 1, 3, units=True),
+           Recipe("torchtitan FSDP + TP 8", 8, 1, 3, units=True)]
     if size == "405b":
-        out.append(Strategy("torchtitan FSDP + TP 8 + PP 8", 8, 8, 3, unit_mb=unit))
+        out.append(Recipe("torchtitan FSDP + TP 8 + PP 8", 8, 8, 3, units=True))
     tp, pp, v = MEGATRON[size]
-    out.append(Strategy(f"Megatron recipe tp{tp} pp{pp}" + (f" vp{v}" if v > 1 else ""),
-                        tp, pp, 1, "interleaved-1f1b" if v > 1 else "1f1b", v))
+    out.append(Recipe(f"Megatron recipe tp{tp} pp{pp}" + (f" vp{v}" if v > 1 else ""),
+                      tp, pp, 1, "interleaved-1f1b" if v > 1 else "1f1b", v))
     return out
-
-
-def best_of(ev: Evaluator, s: Strategy, gpus: int, gbs: int) -> tuple[Evaluation | None, str]:
-    """The fastest fitting microbatch size and recompute setting of `s`."""
-    dp = gpus // (s.tp * s.pp)
-    best: Evaluation | None = None
-    tried = []
-    for mbs in (1, 2, 4, 8):
-        if gbs % (dp * mbs):
-            continue
-        for recompute in (False, True):
-            args = argparse.Namespace(
-                pp=s.pp, dp=dp, tp=s.tp, ep=1, zero=s.zero, schedule=s.schedule,
-                virtual_stages=s.v if s.v > 1 else None, microbatches=gbs // (dp * mbs),
-                recompute=recompute, bucket_mb=s.unit_mb, comm_stream=s.zero < 3,
-                sp=s.tp > 1)
-            try:
-                e = ev.evaluate(shorthand_program(args, gpus, ev.graph.names,
-                                                  ev.region_costs()))
-            except PiperError as err:
-                tried.append(f"mbs{mbs}{' AC' if recompute else ''}: {err}")
-                continue
-            p = e.prediction
-            fits = p.max_memory_bytes <= ev.cluster.memory_bytes
-            tried.append(f"mbs{mbs}{' AC' if recompute else ''} {p.step_time_s:.2f}s"
-                         f"{'' if fits else ' (no fit)'}")
-            if fits and (best is None or p.step_time_s < best.prediction.step_time_s):
-                best = e
-    return best, "; ".join(tried) or f"a batch of {gbs} does not split over dp={dp}"
 
 
 def search(config: str, gpus: int, gbs: int, trials: int) -> tuple[Program, float]:
@@ -134,9 +91,10 @@ def main() -> int:
         ev = Evaluator(load_model_file(LLAMA, (("size", config),)), gpus, gbs, cluster,
                        precision="bf16-mixed")
         rows = []
-        for s in defaults(size, ev):
-            e, tried = best_of(ev, s, gpus, gbs)
-            rows.append((s.label, e, tried))
+        unit = 4 * ev.costs.params_of(["layer.0"]) / 2**20  # one layer, fp32: FSDP's unit
+        for r in defaults(size):
+            found, tried = best_setting(r, ev, unit)
+            rows.append((r.label, found[1] if found else None, "; ".join(tried)))
         program, took = search(config, gpus, gbs, args.trials)
         picked = ev.evaluate(program)
         rows.append((f"search's pick ({args.trials} trials, {took:.0f} s)", picked, ""))

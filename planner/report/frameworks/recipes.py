@@ -56,34 +56,47 @@ def best_recipe(target: str, evaluator: Any, unit_mb: float) -> tuple[str, Any] 
     """(label, Evaluation) of the fastest fitting default recipe of `target` for the
     evaluator's model, or None where none fits or applies (a layout that does not divide the
     devices or the batch, a model without enough layers)."""
+    best = None
+    for r in recipes(target, sum(evaluator.costs.params)):
+        found, _ = best_setting(r, evaluator, unit_mb)
+        if found is not None and (best is None or found[1].prediction.step_time_s
+                                  < best[1].prediction.step_time_s):
+            best = (f"{r.label}, {found[0]}", found[1])
+    return best
+
+
+def best_setting(r: Recipe, evaluator: Any, unit_mb: float
+                 ) -> tuple[tuple[str, Any] | None, list[str]]:
+    """The fastest fitting microbatch size and recompute setting of recipe `r` as
+    ("mb N[, recompute]", Evaluation) or None, and a line for each setting tried."""
     from planner.search.strategy import shorthand_program
 
     ev = evaluator
-    params = sum(ev.costs.params)
-    best = None
-    for r in recipes(target, params):
-        if ev.gpus % (r.tp * r.pp):
+    if ev.gpus % (r.tp * r.pp):
+        return None, [f"tp {r.tp} x pp {r.pp} does not divide {ev.gpus} devices"]
+    dp = ev.gpus // (r.tp * r.pp)
+    best, tried = None, []
+    for mbs in (1, 2, 4, 8):
+        if ev.batch_size % (dp * mbs):
             continue
-        dp = ev.gpus // (r.tp * r.pp)
-        for mbs in (1, 2, 4, 8):
-            if ev.batch_size % (dp * mbs):
+        for recompute in (False, True):
+            setting = f"mb {mbs}" + (", recompute" if recompute else "")
+            args = argparse.Namespace(
+                pp=r.pp, dp=dp, tp=r.tp, ep=1, zero=r.zero if dp > 1 else 0,
+                schedule=r.schedule if r.pp > 1 else "none",
+                virtual_stages=r.v if r.v > 1 else None,
+                microbatches=ev.batch_size // (dp * mbs), recompute=recompute,
+                bucket_mb=unit_mb if r.units and dp > 1 else None,
+                comm_stream=dp > 1 and r.zero < 3, sp=r.tp > 1)
+            try:
+                e = ev.evaluate(shorthand_program(args, ev.gpus, ev.graph.names,
+                                                  ev.region_costs()))
+            except (PiperError, Infeasible) as err:  # the layout does not fit this model
+                tried.append(f"{setting}: {err}")
                 continue
-            for recompute in (False, True):
-                args = argparse.Namespace(
-                    pp=r.pp, dp=dp, tp=r.tp, ep=1, zero=r.zero if dp > 1 else 0,
-                    schedule=r.schedule if r.pp > 1 else "none",
-                    virtual_stages=r.v if r.v > 1 else None,
-                    microbatches=ev.batch_size // (dp * mbs), recompute=recompute,
-                    bucket_mb=unit_mb if r.units and dp > 1 else None,
-                    comm_stream=dp > 1 and r.zero < 3, sp=r.tp > 1)
-                try:
-                    e = ev.evaluate(shorthand_program(args, ev.gpus, ev.graph.names,
-                                                      ev.region_costs()))
-                except (PiperError, Infeasible):  # the layout does not fit this model
-                    continue
-                p = e.prediction
-                if p.max_memory_bytes > ev.cluster.memory_bytes:
-                    continue
-                if best is None or p.step_time_s < best[1].prediction.step_time_s:
-                    best = (f"{r.label}, mb {mbs}" + (", recompute" if recompute else ""), e)
-    return best
+            p = e.prediction
+            fits = p.max_memory_bytes <= ev.cluster.memory_bytes
+            tried.append(f"{setting} {p.step_time_s:.2f}s{'' if fits else ' (no fit)'}")
+            if fits and (best is None or p.step_time_s < best[1].prediction.step_time_s):
+                best = (setting, e)
+    return best, tried or [f"a batch of {ev.batch_size} does not split over dp={dp}"]

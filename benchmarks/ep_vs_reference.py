@@ -95,7 +95,9 @@ def _worker(rank: int, args: argparse.Namespace, port: int, out: dict) -> None:
     w1 = (torch.randn(e // ep, args.dim, args.hidden, generator=g) * 0.05).requires_grad_()
     w2 = (torch.randn(e // ep, args.hidden, args.dim, generator=g) * 0.05).requires_grad_()
     times: dict[str, list[float]] = {}
-    impls = {"piper": routed_experts, "reference": reference, "dense": dense}
+    impls = {"piper": lambda x, idx, gate, w1, w2, e, ep: routed_experts(x, idx, gate,
+                                                                         [w1, w2], e, ep),
+             "reference": reference, "dense": dense}
     for _ in range(args.repeats + 2):
         for name, fn in impls.items():
             dist.barrier()

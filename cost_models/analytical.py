@@ -23,9 +23,10 @@ from torch.utils.flop_counter import FlopCounterMode
 from cost_models.cluster import ClusterSpec
 from cost_models.kernels import Gemm, gemm_seconds
 from cost_models.loss_ops import loss_kernels
-from cost_models.piper_ops import OpKey, context_attention_flops, routed_keys
+from cost_models.piper_ops import OpKey, context_attention_flops, routed_keys, routed_saved_bytes
 from cost_models.saved import saved_bytes
-from piper.capture import Captured, graph_on_meta, to_meta
+from piper.capture import Captured
+from piper.graph_passes import graph_on_meta, to_meta
 from piper.moe import routed_shapes
 
 BACKWARD_FLOPS_RATIO = 2.0
@@ -335,11 +336,13 @@ class _RegionCounter(fx.Interpreter):
         routed = routed_shapes(n)
         if routed is not None:  # dropless experts: GEMMs over the routed rows alone
             flops = 0
-            for key, count in routed_keys(routed, _low_precision(out),
-                                          n.args[0].meta["val"].element_size()):  # type: ignore
+            size = n.args[0].meta["val"].element_size()  # type: ignore[union-attr]
+            for key, count in routed_keys(routed, _low_precision(out), size):
                 self.ops[r][key] = self.ops[r].get(key, 0) + count
                 flops += key[0] * count
             self.node_keys[n.name] = key
+            # what its autograd keeps besides its output (`routed_saved_bytes`)
+            self.saved[r] += routed_saved_bytes(routed, size)
         if getattr(n.target, "_piper_cp", False):  # context-parallel attention
             flops = context_attention_flops(n)
             key = (flops, _low_precision(out), CAUSAL_WORK if n.args[4] else 1.0, 0, True,

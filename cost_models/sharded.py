@@ -92,8 +92,8 @@ def in_graph_comm(captured: Captured) -> InGraphComm:
     flops: list[list[float]] = [[] for _ in range(n)]
     for node in captured.program.graph.nodes:
         routed = routed_shapes(node) if node.op == "call_function" else None
-        if routed is not None and routed[5] > 1:  # dropless experts over an EP group
-            t, k, d, _, local, ep = routed
+        if routed is not None and routed.ep > 1:  # dropless experts over an EP group
+            t, k, d, local, ep = routed.tokens, routed.k, routed.dim, routed.local, routed.ep
             size = node.args[0].meta["val"].element_size()  # type: ignore[union-attr]
             region = captured.node_region[node.name]
             # the per-expert row counts, then the routed rows there and back

@@ -10,7 +10,6 @@ pure metadata the DAG, directives and cost models work on. The FX graph itself s
 from __future__ import annotations
 
 import contextlib
-import copy
 import io
 import sys
 from collections import defaultdict
@@ -35,6 +34,7 @@ from piper.annotate import TAG_KEY, counting_regions
 from piper.capture_errors import export_failure, failing_module, user_frame
 from piper.context_parallel import sequence_of
 from piper.errors import PiperError
+from piper.graph_passes import drop_metadata_asserts, to_meta
 from piper.model_file import ModelSpec
 from piper.moe import eager_experts, expert_modules
 from piper.regions import AutoRegions, annotate_automatically
@@ -169,6 +169,7 @@ def capture(spec: ModelSpec, batch: int, sharding: ModelSharding | None = None, 
     if not any(_tag(n) for n in ep.graph.nodes if n.op == "call_function"):
         model, ep, targets, auto = _export(spec, batch, sharding, prepare, automatic=True)
     eager_experts(ep.graph_module)  # routed experts run their data-dependent work eagerly
+    drop_metadata_asserts(ep.graph_module)
     if sharding is not None and sharding.cp > 1:
         local = sequence_of(ep.example_inputs)
         split_sequence(ep.graph_module, local, sharding.cp, sharding.cp_mode, exact=exact,
@@ -302,33 +303,6 @@ def _register_dataclasses(model: torch.nn.Module, args: tuple, kwargs: dict) -> 
     return bool(found)
 
 
-def to_meta(val: Any) -> Any:
-    """Capture's fake tensors (anywhere in a pytree) as plain meta tensors of the same
-    shape, stride and dtype: the cost models compute on meta."""
-    def conv(v: Any) -> Any:
-        if isinstance(v, torch.Tensor):
-            return torch.empty_strided([int(d) for d in v.shape], [int(s) for s in v.stride()],
-                                       dtype=v.dtype, device="meta")
-        return v
-    return pytree.tree_map(conv, val)
-
-
-def graph_on_meta(gm: fx.GraphModule) -> fx.GraphModule:
-    """A copy of `gm` (same node names) whose ops make their tensors on meta: a capture's
-    factories name the trace's device (`TRACE_DEVICE`), and replayed as they are they would
-    allocate for real (a causal mask of sequence x sequence, gigabytes at 32K tokens)."""
-    graph = copy.deepcopy(gm.graph)
-    meta = torch.device("meta")
-
-    def retarget(a: Any) -> Any:
-        return meta if isinstance(a, torch.device) else a
-
-    for n in graph.nodes:
-        n.args = fx.node.map_aggregate(n.args, retarget)
-        n.kwargs = fx.node.map_aggregate(n.kwargs, retarget)
-    return fx.GraphModule(gm, graph)
-
-
 def _run_fresh(spec: ModelSpec, batch: int, sharding: ModelSharding | None,
                prepare: Callable[[torch.nn.Module], None] | None, seen: dict) -> None:
     """Build the model as `_export` does (a failed export can leave its model patched) and
@@ -352,7 +326,7 @@ def _modules(model: torch.nn.Module, mg: ModelGraph) -> dict:
     owner = {p: r.name for r in mg.regions for p in r.params}
     linears = tuple((n, tuple(m.weight.shape)) for n, m in model.named_modules()
                     if type(m) in (torch.nn.Linear, torch.nn.Embedding))
-    experts = tuple((n, m.num_experts, owner.get(f"{n}.w1", ""))
+    experts = tuple((n, m.num_experts, owner.get(f"{n}.{m.piper_ffn.weights[0]}", ""))
                     for n, m in expert_modules(model).items())
     return {"linears": linears, "experts": experts}
 

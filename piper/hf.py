@@ -1,10 +1,11 @@
 """Hugging Face models without a model file: `MODEL` is a `config.json` or a model folder.
 
-The only module of piper-plan that imports transformers (the `hf` extra). The model is
-`AutoModelForCausalLM.from_config`; its parallel structure is read as data from its config,
+With `piper.hf_experts`, the only modules of piper-plan that import transformers (the `hf`
+extra). The model is `AutoModelForCausalLM.from_config`; its parallel structure is read as data from its config,
 as transformers declares it: regions from `base_model_pp_plan` (the entry that is a list of
 blocks gives `layer.0..N-1`, what runs before them `embed`, after them `head`, lm_head with
-it), tensor parallelism from `base_model_tp_plan`. The batch is `--batch-size` sequences of
+it), tensor parallelism from `base_model_tp_plan`, experts for expert parallelism from
+transformers' experts interface (`piper.hf_experts`). The batch is `--batch-size` sequences of
 `--seq-len` random tokens, with the next tokens as `shift_labels` (and `labels`): the model
 computes the causal-LM loss itself, so no loss function is needed.
 """
@@ -22,6 +23,7 @@ import torch
 from torch import nn
 
 from piper.errors import PiperError
+from piper.hf_experts import adopt_experts, experts_notes
 from piper.model_file import DEFAULT_BATCH_SIZE, ModelSpec, default_loss, default_optimizer
 
 DEFAULT_SEQ_LEN = 2048
@@ -59,18 +61,19 @@ def load_hf_model(path: str | Path, model_args: tuple[tuple[str, Any], ...] = ()
     vocab = int(config.vocab_size)
     cls = transformers.AutoModelForCausalLM._model_mapping[type(config)]
     tp_plan, notes = _tp_plan(config, getattr(cls, "base_model_prefix", "") or "")
-    if tp_plan:  # entries for kinds of layer this model does not have (the dense MLP of
-        # an all-MoE config) are left out, as transformers leaves them
-        with torch.device("meta"):
-            names = [n for n, _ in transformers.AutoModelForCausalLM.from_config(
-                config).named_modules()]
-        tp_plan = tuple((k, v) for k, v in tp_plan
-                        if any(fnmatch.fnmatchcase(n, k) for n in names))
+    with torch.device("meta"):
+        shape = transformers.AutoModelForCausalLM.from_config(config)
+    names = [n for n, _ in shape.named_modules()]
+    # entries for kinds of layer this model does not have (the dense MLP of an all-MoE
+    # config) are left out, as transformers leaves them
+    tp_plan = tuple((k, v) for k, v in tp_plan if any(fnmatch.fnmatchcase(n, k) for n in names))
+    notes += experts_notes(shape)
     weights = sorted(folder.glob("*.safetensors")) if p.is_dir() else []
 
     def build_model(**_applied: Any) -> nn.Module:  # model_args are in the config already
         model = transformers.AutoModelForCausalLM.from_config(config)
         model.config.use_cache = False
+        adopt_experts(model)  # routed by piper, so expert parallelism can shard them
         return _with_regions(model, config)
 
     def example_batch(batch_size: int) -> tuple[dict[str, torch.Tensor], None]:

@@ -24,12 +24,19 @@ in and out): traced, the module is one custom op (`piper::routed_experts`) whose
 implementation gives that shape, so the graph captures once; `eager_experts` then points the
 captured node at `routed_experts`, which runs the data-dependent work with autograd. On meta
 tensors (cost models) it assumes a perfectly balanced router.
+
+Any module with an `ExpertFFN` (`piper_ffn`: which stacked parameters, which activation)
+and a `num_experts` routes the same way through `routed_forward`: `piper.hf_experts` gives
+the experts modules of unmodified Hugging Face MoE models one.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any
+import weakref
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -40,13 +47,46 @@ from piper import lanes
 from piper.collectives import EP_GROUP, bound_group, wire_dtype
 
 
+@dataclass(frozen=True)
+class ExpertFFN:
+    """How each expert of a stacked experts module computes, over the module's parameters
+    stacked by expert (dimension 0): `activate(rows @ up + up_bias) @ down + down_bias`.
+
+    `piper.Experts` is one (a GELU MLP); a Hugging Face experts module is another (its
+    `gate_up_proj`/`down_proj`, its own gate and activation: `piper.hf_experts`). Any module
+    with a `piper_ffn` and a `num_experts` routes through `routed_forward`."""
+
+    weights: tuple[str, ...]
+    """The module's stacked parameters in call order: up, down, then up's and down's bias."""
+    activate: Callable[[torch.Tensor], torch.Tensor]
+    """Applied to the up projection's rows (a gated FFN splits them into gate and up)."""
+    transposed: bool = True
+    """Weights as [E, in, out] (rows @ W); False: [E, out, in] (F.linear, as nn.Linear)."""
+    bias: bool = False
+
+    def widths(self, up: torch.Tensor, down: torch.Tensor) -> tuple[int, int]:
+        """(up's output width, down's input width) of stacked weights: what each routed row
+        multiplies, 2 * dim * (up + down) FLOPs."""
+        if self.transposed:
+            return int(up.shape[2]), int(down.shape[1])
+        return int(up.shape[1]), int(down.shape[2])
+
+
+def _gelu_mlp(h: torch.Tensor) -> torch.Tensor:
+    return F.gelu(h)
+
+
+GELU_MLP = ExpertFFN(("w1", "w2"), _gelu_mlp)
+
+
 class Experts(nn.Module):
     """`num_experts` two-layer GELU MLPs, stacked so dimension 0 can be sharded."""
+
+    piper_ffn = GELU_MLP
 
     def __init__(self, num_experts: int, dim: int, hidden: int) -> None:
         super().__init__()
         self.num_experts = num_experts
-        self.ep = 1  # set by `shard_experts`
         self.w1 = nn.Parameter(torch.empty(num_experts, dim, hidden))
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden, dim))
         nn.init.normal_(self.w1, std=1 / math.sqrt(dim))
@@ -54,17 +94,29 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, idx: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         """x: [T, dim] tokens; idx, gate: [T, k] chosen experts and their weights."""
-        if torch.compiler.is_exporting():  # one node of fixed shape (see module docstring)
-            return routed_experts_op(x, idx, gate, self.w1, self.w2, self.num_experts,
-                                     self.ep)
-        return routed_experts(x, idx, gate, self.w1, self.w2, self.num_experts, self.ep)
+        return routed_forward(self, x, idx, gate)
 
 
-def routed_experts(x: torch.Tensor, idx: torch.Tensor, gate: torch.Tensor, w1: torch.Tensor,
-                   w2: torch.Tensor, num_experts: int, ep: int) -> torch.Tensor:
+def routed_forward(module: nn.Module, x: torch.Tensor, idx: torch.Tensor,
+                   gate: torch.Tensor) -> torch.Tensor:
+    """The forward of any routed experts module (`piper_ffn`, `num_experts`; `piper_ep` once
+    `shard_experts` split it): traced, one node of fixed shape (see the module docstring)."""
+    ffn: ExpertFFN = module.piper_ffn  # type: ignore[assignment]
+    weights = [getattr(module, n) for n in ffn.weights]
+    experts, ep = int(module.num_experts), int(getattr(module, "piper_ep", 1))
+    if torch.compiler.is_exporting():
+        key = f"{type(module).__qualname__}@{id(module):x}"
+        _LIVE[key] = module
+        return routed_experts_op(x, idx, gate, weights, experts, ep, key)
+    return routed_experts(x, idx, gate, weights, experts, ep, ffn)
+
+
+def routed_experts(x: torch.Tensor, idx: torch.Tensor, gate: torch.Tensor,
+                   weights: Sequence[torch.Tensor], num_experts: int, ep: int,
+                   ffn: ExpertFFN = GELU_MLP) -> torch.Tensor:
     """sum_k gate[t, k] * FFN_{idx[t, k]}(x[t]) for every token t, each expert computing only
     the rows routed to it; with `ep` > 1 the experts are spread over the EP group (this rank
-    holds `w1.shape[0]` of them) and the rows travel by `all_to_all_single`."""
+    holds `weights[0].shape[0]` of them) and the rows travel by `all_to_all_single`."""
     t, d = x.shape
     k = idx.shape[1]
     flat = idx.reshape(-1)
@@ -77,16 +129,14 @@ def routed_experts(x: torch.Tensor, idx: torch.Tensor, gate: torch.Tensor, w1: t
         counts = torch.bincount(flat, minlength=num_experts).tolist()
     rows = x.index_select(0, order // k)  # [T*k, d], grouped by expert
     if ep == 1:
-        out = grouped_ffn(rows, w1, w2, counts)
+        out = grouped_ffn(rows, weights, counts, ffn)
     elif meta:
-        out = grouped_ffn(rows, w1, w2, _balanced(t * k, w1.shape[0]))
+        out = grouped_ffn(rows, weights, _balanced(t * k, weights[0].shape[0]), ffn)
     else:
-        out = _expert_parallel(rows, w1, w2, counts, ep)
+        out = _expert_parallel(rows, weights, counts, ep, ffn)
     y = out.index_select(0, torch.argsort(order)) if not meta else out  # token-major again
-    return (y.view(t, k, d) * gate.unsqueeze(-1)).sum(1)
-
-
-routed_experts._piper_routed = True  # type: ignore[attr-defined]  # cost models
+    # gate weights may be wider than the rows (a router's fp32 softmax): sum, then cast back
+    return (y.view(t, k, d) * gate.unsqueeze(-1)).sum(1).to(x.dtype)
 
 
 def _balanced(rows: int, experts: int) -> list[int]:
@@ -94,20 +144,45 @@ def _balanced(rows: int, experts: int) -> list[int]:
     return [base + (1 if e < extra else 0) for e in range(experts)]
 
 
-def grouped_ffn(rows: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, counts: list[int],
-                grouped: bool | None = None) -> torch.Tensor:
-    """Each expert's GELU MLP over its consecutive `counts[e]` rows: one grouped GEMM per
-    layer (`torch._grouped_mm`) or one GEMM per expert. `grouped` None: grouped on a GPU
-    where its alignment rule holds (on a CPU it is no faster than the loop:
+def grouped_ffn(rows: torch.Tensor, weights: Sequence[torch.Tensor], counts: list[int],
+                ffn: ExpertFFN = GELU_MLP, grouped: bool | None = None) -> torch.Tensor:
+    """Each expert's FFN over its consecutive `counts[e]` rows: one grouped GEMM per
+    projection (`torch._grouped_mm`) or one GEMM per expert. `grouped` None: grouped on a
+    GPU where its alignment rule holds (on a CPU it is no faster than the loop:
     benchmarks/ep_vs_reference.py)."""
     if grouped is None:
         grouped = rows.device.type == "cuda"
-    if grouped and _grouped_mm_fits(rows, w1, w2):
+    if grouped and _grouped_mm_fits(rows, weights):
         offs = torch.tensor(counts, device=rows.device).cumsum(0).to(torch.int32)
-        out = torch._grouped_mm(F.gelu(torch._grouped_mm(rows, w1, offs=offs)), w2, offs=offs)
+        sizes = torch.tensor(counts, device=rows.device)
+        up, down, *biases = weights
+        h = _grouped(rows, up, offs, ffn.transposed)
+        if ffn.bias:
+            h = h + biases[0].repeat_interleave(sizes, dim=0, output_size=rows.shape[0])
+        out = _grouped(ffn.activate(h), down, offs, ffn.transposed)
+        if ffn.bias:
+            out = out + biases[1].repeat_interleave(sizes, dim=0, output_size=rows.shape[0])
         return _DenseGrad.apply(out)
     parts = rows.split(counts)
-    return torch.cat([F.gelu(p @ w1[e]) @ w2[e] for e, p in enumerate(parts)])
+    return torch.cat([_one_expert(p, [w[e] for w in weights], ffn)
+                      for e, p in enumerate(parts)])
+
+
+def _one_expert(rows: torch.Tensor, w: list[torch.Tensor], ffn: ExpertFFN) -> torch.Tensor:
+    """One expert's FFN on its rows, as the model's own loop over experts computes it."""
+    def project(h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return h @ weight if ffn.transposed else F.linear(h, weight)
+
+    h = project(rows, w[0])
+    if ffn.bias:
+        h = h + w[2]
+    out = project(ffn.activate(h), w[1])
+    return out + w[3] if ffn.bias else out
+
+
+def _grouped(h: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, transposed: bool
+             ) -> torch.Tensor:
+    return torch._grouped_mm(h, w if transposed else w.transpose(-2, -1), offs=offs)
 
 
 class _DenseGrad(torch.autograd.Function):
@@ -123,24 +198,26 @@ class _DenseGrad(torch.autograd.Function):
         return g.contiguous()
 
 
-def _grouped_mm_fits(rows: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> bool:
-    """torch._grouped_mm wants one 32- or 16-bit float dtype and rows of a multiple of 16
-    bytes."""
+def _grouped_mm_fits(rows: torch.Tensor, weights: Sequence[torch.Tensor]) -> bool:
+    """torch._grouped_mm wants one 32- or 16-bit float dtype and rows (of every operand) of
+    a multiple of 16 bytes."""
     if not hasattr(torch, "_grouped_mm") or rows.device.type == "meta":
         return False
     size = rows.element_size()
-    return (rows.dtype == w1.dtype == w2.dtype
+    mats = weights[:2]
+    return (all(w.dtype == rows.dtype for w in weights)
             and rows.dtype in (torch.float32, torch.bfloat16, torch.float16)
             and rows.shape[-1] * size % 16 == 0
-            and w1.shape[-1] * size % 16 == 0 and rows.is_contiguous())
+            and all(s * size % 16 == 0 for w in mats for s in w.shape[1:])
+            and rows.is_contiguous())
 
 
-def _expert_parallel(rows: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
-                     counts: list[int], ep: int) -> torch.Tensor:
+def _expert_parallel(rows: torch.Tensor, weights: Sequence[torch.Tensor], counts: list[int],
+                     ep: int, ffn: ExpertFFN) -> torch.Tensor:
     """Send each expert's rows to the rank holding it, run the local experts on what came
     from every rank, send the results back (rows in the order they left)."""
     group = bound_group(EP_GROUP)
-    local = w1.shape[0]
+    local = weights[0].shape[0]
     sent = torch.tensor(counts, dtype=torch.int64).view(ep, local)  # to rank r, expert j
     got = torch.empty_like(sent)
     with lanes.waiting():  # the per-expert counts first: they size the row exchange
@@ -154,9 +231,8 @@ def _expert_parallel(rows: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
     perm = torch.cat([torch.arange(starts[s] + int(within[s, j]),
                                    starts[s] + int(within[s, j]) + int(got[s, j]))
                       for j in range(local) for s in range(ep)]).to(rows.device)
-    out = grouped_ffn(arrived.index_select(0, perm), w1, w2, got.sum(0).tolist())
+    out = grouped_ffn(arrived.index_select(0, perm), weights, got.sum(0).tolist(), ffn)
     return _exchange(out.index_select(0, torch.argsort(perm)), send, recv)
-
 
 def _exchange(x: torch.Tensor, recv: list[int], send: list[int]) -> torch.Tensor:
     """`all_to_all_single` with split sizes, differentiable (its backward is the reverse
@@ -192,50 +268,96 @@ def _all_to_all(x: torch.Tensor, recv: list[int], send: list[int]) -> torch.Tens
 
 
 # ---- capture: one node of fixed shape -------------------------------------------------
+_LIVE: weakref.WeakValueDictionary[str, nn.Module] = weakref.WeakValueDictionary()
+"""Routed experts modules traced in this process, by the key their node carries: the
+module says how its experts compute (`piper_ffn`), which a graph cannot hold as an op
+argument."""
+
+
 @torch.library.custom_op("piper::routed_experts", mutates_args=())
 def routed_experts_op(x: torch.Tensor, idx: torch.Tensor, gate: torch.Tensor,
-                      w1: torch.Tensor, w2: torch.Tensor, num_experts: int, ep: int
+                      weights: list[torch.Tensor], num_experts: int, ep: int, module: str
                       ) -> torch.Tensor:
-    """`routed_experts` as one op for tracing; a captured graph runs the eager function
-    instead (`eager_experts`), which autograd differentiates."""
+    """`routed_experts` of the traced module `module` (a key of `_LIVE`) as one op; a
+    captured graph runs the eager function instead (`eager_experts`), which autograd
+    differentiates."""
     with torch.no_grad():
-        return routed_experts(x, idx, gate, w1, w2, num_experts, ep)
+        return routed_experts(x, idx, gate, weights, num_experts, ep,
+                              _LIVE[module].piper_ffn)  # type: ignore[arg-type]
 
 
 @routed_experts_op.register_fake
-def _(x: torch.Tensor, idx: torch.Tensor, gate: torch.Tensor, w1: torch.Tensor,
-      w2: torch.Tensor, num_experts: int, ep: int) -> torch.Tensor:
+def _(x: torch.Tensor, idx: torch.Tensor, gate: torch.Tensor, weights: list[torch.Tensor],
+      num_experts: int, ep: int, module: str) -> torch.Tensor:
     return torch.empty_like(x)
 
 
+class RoutedCall:
+    """What a captured routed-experts node calls: `routed_experts` with its module's FFN."""
+
+    __name__ = "routed_experts"
+    _piper_routed = True  # cost models find the node by this
+
+    def __init__(self, ffn: ExpertFFN) -> None:
+        self.ffn = ffn
+
+    def __call__(self, x: torch.Tensor, idx: torch.Tensor, gate: torch.Tensor,
+                 weights: Sequence[torch.Tensor], num_experts: int, ep: int) -> torch.Tensor:
+        return routed_experts(x, idx, gate, weights, num_experts, ep, self.ffn)
+
+
 def eager_experts(gm: fx.GraphModule) -> None:
-    """Point every captured `piper::routed_experts` node at `routed_experts`, in place."""
+    """Point every captured `piper::routed_experts` node at its module's `routed_experts`,
+    in place."""
     op = torch.ops.piper.routed_experts.default
     changed = False
     for n in gm.graph.nodes:
         if n.op == "call_function" and n.target is op:
-            n.target = routed_experts
+            n.target = RoutedCall(_LIVE[n.args[6]].piper_ffn)  # type: ignore[arg-type]
+            n.args = n.args[:6]
             changed = True
     if changed:
         gm.recompile()
 
 
-def routed_shapes(n: fx.Node) -> tuple[int, int, int, int, int, int] | None:
-    """(tokens T, top-k, dim, hidden, local experts, ep) of a captured `routed_experts` node;
-    None for any other node."""
+class RoutedShapes(NamedTuple):
+    """A captured routed-experts node's sizes: what its GEMMs and exchanges cost."""
+
+    tokens: int
+    k: int
+    dim: int
+    up: int  # the up projection's output width (2 x hidden for a gated FFN)
+    down: int  # the down projection's input width (hidden)
+    local: int  # experts held by this rank
+    ep: int
+
+
+def routed_shapes(n: fx.Node) -> RoutedShapes | None:
+    """The sizes of a captured routed-experts node; None for any other node."""
     if not getattr(n.target, "_piper_routed", False):
         return None
-    x, idx, _, w1 = (a.meta["val"] for a in n.args[:4])  # type: ignore[union-attr]
-    return (int(x.shape[0]), int(idx.shape[1]), int(x.shape[1]), int(w1.shape[2]),
-            int(w1.shape[0]), int(n.args[6]))  # type: ignore[arg-type]
+    x, idx = (a.meta["val"] for a in n.args[:2])  # type: ignore[union-attr]
+    up, down = (w.meta["val"] for w in n.args[3][:2])  # type: ignore[index, union-attr]
+    wide_up, wide_down = n.target.ffn.widths(up, down)  # type: ignore[union-attr]
+    return RoutedShapes(int(x.shape[0]), int(idx.shape[1]), int(x.shape[1]), wide_up,
+                        wide_down, int(up.shape[0]), int(n.args[5]))  # type: ignore[arg-type]
 
 
-def expert_modules(model: nn.Module) -> dict[str, Experts]:
-    return {n: m for n, m in model.named_modules() if isinstance(m, Experts)}
+def expert_modules(model: nn.Module) -> dict[str, nn.Module]:
+    """The routed experts modules of `model` (those with a `piper_ffn`), by name."""
+    return {n: m for n, m in model.named_modules()
+            if isinstance(getattr(m, "piper_ffn", None), ExpertFFN)}
+
+
+def expert_params(names: Iterable[str], params: Iterable[str]) -> set[str]:
+    """Of parameter names `params`, those stacked by expert: every parameter an experts
+    module named in `names` holds itself."""
+    owners = set(names)
+    return {p for p in params if p.rpartition(".")[0] in owners}
 
 
 def shard_experts(model: nn.Module, names: tuple[str, ...], degree: int, rank: int) -> None:
-    """Keep rank `rank`'s E/degree experts of each named `Experts` module, in place."""
+    """Keep rank `rank`'s E/degree experts of each named experts module, in place."""
     if degree == 1:
         return
     modules = expert_modules(model)
@@ -245,6 +367,6 @@ def shard_experts(model: nn.Module, names: tuple[str, ...], degree: int, rank: i
             raise ValueError(f"{name}: {m.num_experts} experts are not divisible by "
                              f"ep={degree}")
         with torch.no_grad():
-            m.w1 = nn.Parameter(m.w1.chunk(degree, dim=0)[rank].clone())
-            m.w2 = nn.Parameter(m.w2.chunk(degree, dim=0)[rank].clone())
-        m.ep = degree
+            for p, w in list(m.named_parameters(recurse=False)):
+                setattr(m, p, nn.Parameter(w.chunk(degree, dim=0)[rank].clone()))
+        m.piper_ep = degree

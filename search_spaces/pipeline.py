@@ -66,7 +66,7 @@ class PipelineSpace(SearchSpace):
     tps: tuple[int, ...] = (1,)
     """Tensor-parallel degrees to try (the model's TP_PLAN; keep them within a node)."""
     eps: tuple[int, ...] = (1,)
-    """Expert-parallel degrees to try, over `expert_regions` (regions with piper.Experts)."""
+    """Expert-parallel degrees to try, over `expert_regions` (regions with routed experts)."""
     expert_regions: tuple[str, ...] = ()
     cps: tuple[int, ...] = (1,)
     """Context-parallel degrees to try (each splits every sequence into 2 x cp equal

@@ -24,6 +24,13 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
 MORE_FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen3_moe": ("Qwen3MoeConfig", {**TINY, "head_dim": 8, "num_experts": 4,
                                      "num_experts_per_tok": 2, "moe_intermediate_size": 16}),
+    "olmoe": ("OlmoeConfig", {**TINY, "num_experts": 4, "num_experts_per_tok": 2}),
+    # experts stored transposed, with biases and a clamped gate of their own
+    "gpt_oss": ("GptOssConfig", {**TINY, "head_dim": 8, "num_local_experts": 4,
+                                 "num_experts_per_tok": 2}),
+    # experts outside transformers' experts interface: they run unsharded
+    "llama4": ("Llama4TextConfig", {**TINY, "head_dim": 8, "num_local_experts": 4,
+                                    "num_experts_per_tok": 1, "intermediate_size_mlp": 64}),
 }
 
 

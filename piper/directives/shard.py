@@ -12,9 +12,10 @@ from piper.errors import DirectiveError
 
 @dataclass(frozen=True, repr=False)
 class Shard(Directive):
-    """Split the `piper.Experts` of `regions` (names or globs) `degree` ways.
+    """Split the routed experts of `regions` (names or globs) `degree` ways.
 
-    Requires: once, before Order; the regions hold `Experts` modules whose expert count
+    Requires: once, before Order; the regions hold routed experts modules (`piper.Experts`,
+    a Hugging Face model's experts: `piper.hf_experts`) whose expert count
     `degree` divides; the data-parallel degree (Replicate) a multiple of `degree`.
     Rewrites: no node changes. Every group of `degree` consecutive replicas of a device
     shares one set of experts, E/degree each: inside the chunk an all-to-all sends each
@@ -53,7 +54,7 @@ class Shard(Directive):
             if not hits:
                 held = sorted({e[2] for e in experts})
                 raise DirectiveError(index, self, f"{pat!r} matches no region holding "
-                                     f"piper.Experts; those are {', '.join(held) or 'none'}")
+                                     f"routed experts; those are {', '.join(held) or 'none'}")
             for module, count, _ in hits:
                 if count % self.degree:
                     raise DirectiveError(index, self, f"{module} has {count} experts, not "

@@ -46,7 +46,8 @@ def shorthand_program(args: argparse.Namespace, gpus: int, regions: tuple[str, .
                       ) -> Program:
     pp, dp, tp, ep = degrees(args, gpus)
     if ep > 1 and not expert_regions:
-        raise PiperError(f"--ep {ep}: the model has no piper.Experts layers to split")
+        raise PiperError(f"--ep {ep}: the model has no routed experts to split (piper.Experts, or a "
+                         "Hugging Face experts module: see the expert-parallelism note)")
     schedule = args.schedule or "1f1b"
     v = args.virtual_stages
     if v is None:
@@ -100,7 +101,7 @@ def add_shorthand_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--sp", action="store_true", default=False,
                    help="sequence parallelism with --tp (Megatron): between the split "
                    "layers each rank keeps 1/tp of the sequence")
-    g.add_argument("--ep", type=int, help="expert-parallel degree (splits piper.Experts "
+    g.add_argument("--ep", type=int, help="expert-parallel degree (splits routed experts "
                    "over data-parallel replicas)")
     g.add_argument("--cp", type=int, help="context-parallel degree: each rank keeps 1/cp "
                    "of every sequence (two chunks, one from each end) and attention "

@@ -22,6 +22,7 @@ from piper.context_parallel import local_tokens, sequence_of
 from piper.dag import Kind
 from piper.lanes import ComputeToken, computing, lane
 from piper.model_file import ModelSpec
+from piper.moe import expert_params
 from runtime.execute.buckets import early_reduce_scatters, reduce_grads, stage_buckets
 from runtime.execute.chunk_math import ChunkMath
 from runtime.execute.evaluation import forward_order
@@ -75,7 +76,8 @@ class RankExecutor(ChunkMath, Checkpointing):
         if train.precision == "bf16":  # parameters, gradients and optimizer state in bf16
             model = model.to(torch.bfloat16)
         # with expert parallelism the experts follow their own data-parallel group
-        experts = {f"{m}.{w}" for m in sh.experts for w in ("w1", "w2")} if sh.ep > 1 else set()
+        experts = expert_params(sh.experts, dict(model.named_parameters())) if sh.ep > 1 \
+            else set()
         self.expert_group = self.mesh.lift(self.mesh.expert_dp_group(logical), self.inner)
         params = dict(model.named_parameters(remove_duplicate=False))  # tied: every name
         canon = {id(p): n for n, p in model.named_parameters()}  # a tied weight: first name

@@ -30,7 +30,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import fx
 
-from piper.capture import graph_on_meta
+from piper.graph_passes import graph_on_meta
 from runtime.execute.zero import storage_key
 
 _aten = torch.ops.aten

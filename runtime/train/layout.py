@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from piper.moe import expert_params
 from piper.sharding import ModelSharding
 from piper.tensor_parallel import ROW_SPLIT, plan_targets
 
@@ -59,8 +60,8 @@ class Slicing:
         self.styles = {f"{m}.{w}": st for m, st in plan_targets(
             sharding.tp_plan, module_names).items() for w in ("weight", "bias")
         } if sharding.tp > 1 else {}
-        self.experts = {f"{m}.{w}" for m in sharding.experts for w in ("w1", "w2")
-                        } if sharding.ep > 1 else set()
+        self.experts = expert_params(sharding.experts, full_shapes) if sharding.ep > 1 \
+            else set()
 
     def tp_split(self, name: str) -> bool:
         """Each tensor-parallel rank holds a different part (else rank 0's copy counts)."""

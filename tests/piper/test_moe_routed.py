@@ -41,7 +41,7 @@ def test_one_rank_matches_token_by_token_experts_and_counts_only_routed_rows():
     leaves = [t.clone().requires_grad_() for t in (x, gate, w1, w2)]
     ref = [t.clone().requires_grad_() for t in (x, gate, w1, w2)]
     with FlopCounterMode(display=False) as counter:
-        y = routed_experts(leaves[0], idx, leaves[1], leaves[2], leaves[3], E, 1)
+        y = routed_experts(leaves[0], idx, leaves[1], leaves[2:], E, 1)
     routed = 2 * (T * K) * D * H * 2  # two GEMMs over the T x k rows
     mm = sum(v for op, v in counter.get_flop_counts()["Global"].items() if "mm" in str(op))
     assert routed <= mm <= 1.05 * routed, (mm, routed)  # not E x T rows
@@ -58,13 +58,13 @@ def test_grouped_gemm_and_the_loop_over_experts_agree():
     w1, w2 = torch.randn(3, 16, 8), torch.randn(3, 8, 16)
     counts = [3, 0, 7]  # an expert no row was routed to
     leaves = [t.clone().requires_grad_() for t in (rows, w1, w2)]
-    fast = grouped_ffn(*leaves, counts, grouped=True)
+    fast = grouped_ffn(leaves[0], leaves[1:], counts, grouped=True)
     slow = torch.cat([F.gelu(p @ w1[e]) @ w2[e] for e, p in enumerate(rows.split(counts))])
     torch.testing.assert_close(fast, slow)
     fast.sum().backward()  # an expanded gradient, which torch._grouped_mm refuses itself
     assert all(t.grad is not None for t in leaves)
     odd = torch.randn(5, 6)  # rows of 24 bytes: torch._grouped_mm's rule fails, the loop runs
-    torch.testing.assert_close(grouped_ffn(odd, torch.ones(1, 6, 2), torch.ones(1, 2, 6), [5],
+    torch.testing.assert_close(grouped_ffn(odd, [torch.ones(1, 6, 2), torch.ones(1, 2, 6)], [5],
                                            grouped=True),
                                F.gelu(odd @ torch.ones(6, 2)) @ torch.ones(2, 6))
 
@@ -88,7 +88,7 @@ def _worker(rank: int, ep: int, port: int, out: dict) -> None:
         local = slice(rank * E // ep, (rank + 1) * E // ep)  # and experts
         leaves = [x[mine].clone().requires_grad_(), gate[mine].clone().requires_grad_(),
                   w1[local].clone().requires_grad_(), w2[local].clone().requires_grad_()]
-        y = routed_experts(leaves[0], idx[mine], leaves[1], leaves[2], leaves[3], E, ep)
+        y = routed_experts(leaves[0], idx[mine], leaves[1], leaves[2:], E, ep)
         y.backward(torch.ones_like(y))
         full = [t.clone().requires_grad_() for t in (x, gate, w1, w2)]
         want = _reference(full[0], idx, full[1], full[2], full[3])

@@ -209,7 +209,7 @@ def test_shard_splits_the_experts_of_matched_regions(moe_dag) -> None:
 
 @pytest.mark.parametrize("directives, msg", [
     ([Replicate(2), Shard("attn.*", degree=2)],
-     "'attn.\\*' matches no region holding piper.Experts; those are experts.0, experts.1"),
+     "'attn.\\*' matches no region holding routed experts; those are experts.0, experts.1"),
     ([Replicate(3), Shard("experts.*", degree=3)],
      "moe.0.experts has 4 experts, not divisible by ep=3"),
 ])

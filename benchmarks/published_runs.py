@@ -40,17 +40,23 @@ sys.path.insert(0, str(ROOT))
 from scipy import stats
 
 from cost_models import ClusterSpec, load_cluster
-from cost_models.accuracy import ALL
+from cost_models.accuracy import ALL, MOE
 from cost_models.accuracy import PATH as ACCURACY_PATH
+from piper.hf import is_hf_model
+from piper.loading import load_model
 from piper.model_file import load_model_file
 from piper.pyfile import import_user_file
 from planner.search.evaluate import Evaluator
 from planner.search.strategy import shorthand_program
 
 GPT = str(ROOT / "examples" / "gpt.py")
+HF_CONFIGS = ROOT / "benchmarks" / "data" / "hf"
+"""Published Hugging Face config.json files of models the MoE rows train."""
 LLAMA = str(ROOT / "examples" / "llama.py")
 MPT_CSV = ROOT / "benchmarks" / "data" / "mpt_runs.csv"
 GiB = 2**30
+SEQ_HF = 4096
+"""Sequence length of the rows that train a Hugging Face config (every MoE row's)."""
 
 
 @dataclass(frozen=True)
@@ -93,6 +99,11 @@ class Run:
     cp_attention: str = "all_gather"
     """How its attention exchanges keys and values (torchtitan's default at the time and
     Llama 3's: all-gather)."""
+    ep: int = 1
+    """Expert-parallel degree: each group of ep data-parallel replicas splits the experts."""
+    moe: bool = False
+    """A mixture-of-experts model: its error is reported apart (`accuracy.json`'s
+    "<cluster> moe" figures, which `search` prints for models with experts)."""
     dp_overlap: bool = True
     """Gradient reduction overlapped with the backward, as the run did (Megatron's
     --overlap-grad-reduce, DDP's buckets, FSDP's units); False: after it, on the compute
@@ -322,9 +333,38 @@ def mpt() -> list[Run]:
     return out
 
 
+def bridge_moe() -> list[Run]:
+    """Megatron-Bridge's DGX-H100 performance summary, MoE rows (section 6b): Qwen3-MoE,
+    dropless with routing force-balanced (the page's caveat), as published in
+    transformers' config of each model. tokens/s per GPU -> seconds per step."""
+    rows = [  # model, container, gpus, gbs, mbs, tp, pp, vp, ep, tokens/s per GPU
+        ("qwen3_30b_a3b", "26.02", 16, 1024, 1, 1, 2, 12, 8, 5113),
+        ("qwen3_30b_a3b", "25.11", 16, 512, 2, 1, 2, 24, 8, 5275),
+        ("qwen3_235b_a22b", "26.02", 256, 8192, 1, 2, 8, 4, 32, 1633),
+        ("qwen3_235b_a22b", "25.11", 256, 2048, 1, 2, 8, 4, 32, 1575),
+    ]
+    out = []
+    seq = 4096
+    for model, container, gpus, gbs, mbs, tp, pp, vp, ep, tps in rows:
+        dp = gpus // (tp * pp)
+        approx = "FP8 GEMMs simulated in bf16"
+        if ep > dp:  # Megatron's expert mesh spans tp x dp; ours splits experts over dp
+            # (with sequence parallelism each tp rank routes its own tokens, as there)
+            approx += (f"; EP{ep} over tp{tp} x dp{dp} simulated as EP{dp} (experts "
+                       f"replicated over tp)")
+        out.append(Run("bridge-moe", f"{model} {container} tp{tp} pp{pp} vp{vp} ep{ep} "
+                       f"mbs{mbs} ({gpus} GPUs)", str(HF_CONFIGS / f"{model}.json"),
+                       (), "h100-80gb", gpus, tp, pp, dp, mbs, gbs,
+                       gbs * seq / (gpus * tps), schedule="interleaved-1f1b", v=vp,
+                       ep=min(ep, dp), moe=True, approx=approx, sp=tp > 1,
+                       assumed="no recompute (not stated); sequence parallelism with tp "
+                               "(Megatron requires it for MoE with tp)"))
+    return out
+
+
 SOURCES = {"megatron-h100": megatron_h100, "korthikanti": korthikanti,
            "megascale": megascale, "torchtitan": torchtitan, "llama3": llama3_paper,
-           "mpt": mpt}
+           "mpt": mpt, "bridge-moe": bridge_moe}
 
 
 @dataclass
@@ -359,7 +399,8 @@ class Evaluators:
         cluster = load_cluster(run.cluster)
         cluster = adjust(cluster) if adjust else cluster
         if spec_key not in self.cache:
-            spec = load_model_file(run.model, run.args)
+            spec = (load_model(run.model, run.args, (("seq_len", SEQ_HF),))
+                    if is_hf_model(run.model) else load_model_file(run.model, run.args))
             self.cache[spec_key] = Evaluator(spec, run.gpus, run.gbs, cluster,
                                              precision="bf16-mixed")
         ev = self.cache[spec_key].on(cluster, run.gpus, run.gbs)
@@ -372,12 +413,13 @@ def simulate(run: Run, evaluators: Evaluators,
     t = time.perf_counter()
     ev = evaluators.get(run, adjust)
     args = argparse.Namespace(
-        pp=run.pp, dp=run.dp, tp=run.tp, ep=1, zero=run.zero, schedule=run.schedule,
+        pp=run.pp, dp=run.dp, tp=run.tp, ep=run.ep, zero=run.zero, schedule=run.schedule,
         virtual_stages=run.v if run.v > 1 else None, microbatches=run.microbatches,
         recompute=run.recompute, bucket_mb=run.unit_mb,
         comm_stream=run.dp * run.cp > 1 and run.zero < 3 and run.dp_overlap,
         sp=run.sp and run.tp > 1, cp=run.cp, cp_attention=run.cp_attention)
-    program = shorthand_program(args, run.gpus, ev.graph.names, ev.region_costs())
+    program = shorthand_program(args, run.gpus, ev.graph.names, ev.region_costs(),
+                                ev.graph.expert_regions)
     result = ev.evaluate(program)
     p = result.prediction
     return Result(run, p.step_time_s, p.max_memory_bytes, ev.cluster.memory_bytes,
@@ -459,11 +501,13 @@ def report(results: list[Result]) -> dict:
 
 
 def write_accuracy(path: Path, results: list[Result]) -> None:
-    """Per catalog cluster (and over all rows): runs, MAPE and mean signed error."""
+    """Per catalog cluster (and over all rows): runs, MAPE and mean signed error; MoE
+    models' rows apart, under "<cluster> moe"."""
     groups: dict[str, list[Result]] = defaultdict(list)
     for r in results:
-        groups[r.run.cluster].append(r)
-    groups[ALL] = list(results)
+        kind = MOE if r.run.moe else ""
+        groups[r.run.cluster + kind].append(r)
+        groups[ALL + kind].append(r)
     clusters = {name: {"runs": len(rs), "mape_pct": round(mape(rs), 2),
                        "signed_pct": round(100 * statistics.fmean(r.error for r in rs), 2),
                        "sources": sorted({r.run.source for r in rs})}

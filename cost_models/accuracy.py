@@ -12,6 +12,10 @@ from pathlib import Path
 PATH = Path(__file__).with_name("accuracy.json")
 ALL = "all"
 """The key of the figures over every published run."""
+MOE = " moe"
+"""Suffix of the keys of mixture-of-experts models' figures ("h100-80gb moe", "all moe"):
+their runs are priced by other mechanisms (routed experts, all-to-alls), so their error
+is kept apart."""
 
 
 @dataclass(frozen=True)
@@ -42,14 +46,16 @@ def load(path: Path = PATH) -> dict[str, Accuracy]:
                         data["measured"]) for k, v in data["clusters"].items()}
 
 
-def accuracy_line(cluster: str, path: Path = PATH) -> str:
+def accuracy_line(cluster: str, path: Path = PATH, moe: bool = False) -> str:
     """What `search` prints about the predictions for `cluster` (a catalog name, or the
-    name a cluster file gives itself)."""
+    name a cluster file gives itself); `moe`: for a model with routed experts."""
     known = load(path)
-    if cluster in known:
-        return known[cluster].line(cluster)
-    overall = known.get(ALL)
-    said = (f"; over all {overall.runs} published runs on the catalog's GPUs: "
-            f"{overall.mape_pct:.1f}% ({overall.signed_pct:+.1f}%)" if overall else "")
-    return (f"accuracy: no published runs check the predictions for {cluster}{said}: "
-            "read the step times as a ranking, not a promise")
+    kind = MOE if moe else ""
+    if cluster + kind in known:
+        return known[cluster + kind].line(f"{'MoE ' if moe else ''}{cluster}")
+    overall = known.get(ALL + kind)
+    said = (f"; over all {overall.runs} published{' MoE' if moe else ''} runs on the "
+            f"catalog's GPUs: {overall.mape_pct:.1f}% ({overall.signed_pct:+.1f}%)"
+            if overall else "")
+    return (f"accuracy: no published{' MoE' if moe else ''} runs check the predictions for "
+            f"{cluster}{said}: read the step times as a ranking, not a promise")

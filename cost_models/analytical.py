@@ -118,6 +118,9 @@ class ModelCosts:
     """Bytes per element of gradient all-reduces and reduce-scatters (0: `element_size`)."""
     optimizer_bytes: int = 8
     """Optimizer state per parameter: AdamW's two moments (fp32: 8 bytes)."""
+    routed_flops: tuple[int, ...] = ()
+    """Per region, the part of `forward_flops` that is routed experts' GEMMs (`piper.moe`):
+    the work a skewed router loads unevenly on the ranks of an EP group."""
     _ops_match: bool = field(init=False, repr=False, compare=False, hash=False, default=False)
 
     def __post_init__(self) -> None:
@@ -125,7 +128,7 @@ class ModelCosts:
         if not (len(self.forward_flops) == len(self.activation_bytes) == len(self.params) == n):
             raise ValueError("ModelCosts: every per-region tuple must have one entry per region")
         for f in ("ops", "param_tensors", "recompute_bytes", "output_bytes",
-                  "largest_params"):
+                  "largest_params", "routed_flops"):
             if getattr(self, f) and len(getattr(self, f)) != n:
                 raise ValueError(f"ModelCosts: {f} must be empty or have one entry per region")
         # op records describe `forward_flops`; figures replaced without them (a what-if
@@ -286,6 +289,7 @@ def model_costs(captured: Captured) -> ModelCosts:
         largest_params=tuple(r.largest_param for r in mg.regions),
         selective_bytes=tuple(measured.selective.items()) if measured else (),
         recompute_ops=again,
+        routed_flops=tuple(counter.routed) if any(counter.routed) else (),
     )
 
 
@@ -319,6 +323,7 @@ class _RegionCounter(fx.Interpreter):
         self.mode = FlopCounterMode(display=False)
         self.flops = [0] * regions
         self.saved = [0] * regions
+        self.routed = [0] * regions  # routed experts' GEMM FLOPs
         self.ops: list[dict[_Key, int]] = [{} for _ in range(regions)]
         self.node_keys: dict[str, _Key] = {}  # each ATen op's group
 
@@ -341,6 +346,7 @@ class _RegionCounter(fx.Interpreter):
                 self.ops[r][key] = self.ops[r].get(key, 0) + count
                 flops += key[0] * count
             self.node_keys[n.name] = key
+            self.routed[r] += flops
             # what its autograd keeps besides its output (`routed_saved_bytes`)
             self.saved[r] += routed_saved_bytes(routed, size)
         if getattr(n.target, "_piper_cp", False):  # context-parallel attention

@@ -174,13 +174,37 @@ def overlapped(comm_s: float, compute_s: float, contention: float) -> float:
     return max(0.0, comm_s - compute_s) + contention * min(comm_s, compute_s)
 
 
+def with_expert_skew(tc: TaskCosts, plan: Plan, costs: ModelCosts, skew: float) -> TaskCosts:
+    """`tc` as the busiest rank of each EP group runs it when a router sends that rank
+    `skew` times the mean share of the routed rows (1: balanced, the default; a measured
+    router's max/mean load otherwise): its experts' GEMMs, the `routed_flops` share of
+    each chunk's math, take `skew` times as long. Step time is the busiest rank's: the
+    all-to-alls wait for it."""
+    if skew == 1.0 or plan.sharding.ep == 1 or not costs.routed_flops:
+        return tc
+    index = {r: i for i, r in enumerate(costs.regions)}
+
+    def factor(regions: tuple[str, ...]) -> float:
+        total = sum(costs.forward_flops[index[r]] for r in regions)
+        routed = sum(costs.routed_flops[index[r]] for r in regions)
+        return 1 + (skew - 1) * routed / total if total else 1.0
+
+    f = [factor(regions) for regions in plan.stage_regions]
+    return replace(tc, forward_s=tuple(x * k for x, k in zip(tc.forward_s, f)),
+                   backward_s=tuple(x * k for x, k in zip(tc.backward_s, f)),
+                   recompute_s=tuple(x * k for x, k in zip(tc.recompute_s, f)))
+
+
 def with_in_graph_comm(tc: TaskCosts, plan: Plan, traffic: InGraphComm, cluster: ClusterSpec,
-                       microbatch_size: int, tp_overlap: bool = False) -> TaskCosts:
+                       microbatch_size: int, tp_overlap: bool = False,
+                       expert_skew: float = 1.0) -> TaskCosts:
     """`tc` with every chunk's in-graph collectives added, at `microbatch_size` samples.
 
     `tp_overlap`: the tensor-parallel ones are overlapped with the chunk's GEMMs
     (`overlapped`), as published Megatron and torchtitan runs did; piper's runtime runs
-    them in line, so the planner prices them so (False). Expert all-to-alls stay in line."""
+    them in line, so the planner prices them so (False). Expert all-to-alls stay in line;
+    `expert_skew` (`with_expert_skew`): the busiest rank receives that many times the mean
+    rows, and every rank waits for it."""
     mesh = plan.mesh
     tp_group, ep_group = mesh.tp_group(0), mesh.lift(mesh.ep_group(0), 0)
     scale = microbatch_size / plan.model.batch
@@ -201,7 +225,7 @@ def with_in_graph_comm(tc: TaskCosts, plan: Plan, traffic: InGraphComm, cluster:
     contention = comm.contention(cluster, tp_group)
     fwd, bwd, again = [], [], []
     for s, regions in enumerate(plan.stage_regions):
-        a2a = seconds(traffic.all_to_all, regions, "a2a")
+        a2a = seconds(traffic.all_to_all, regions, "a2a") * expert_skew
         forward = seconds(traffic.forward_all_reduce, regions, "ar")
         backward = seconds(traffic.backward_all_reduce, regions, "ar")
         if traffic.forward_all_gather:

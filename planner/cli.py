@@ -128,6 +128,11 @@ def build_parser() -> argparse.ArgumentParser:
                    "megatron \"ARGS\" (or a file holding them); the global batch is the "
                    "config's unless --batch-size is given")
     add_shorthand_flags(m)
+    for priced in (s, m):
+        priced.add_argument("--expert-skew", type=float, default=1.0, metavar="X",
+                       help="routed experts: the busiest expert-parallel rank's routed rows "
+                       "over the mean (a measured router's max/mean load); default 1, "
+                       "a balanced router")
     m.add_argument("--cluster", help=f"catalog name or TOML file (default {DEFAULT_CLUSTER})")
     m.add_argument("--trace", help="write the predicted timeline as a Perfetto trace")
     m.add_argument("--timeline", metavar="PNG",

@@ -32,6 +32,9 @@ def spec_of(args: argparse.Namespace) -> Any:
                          "cluster piper-plan plans for")
     if getattr(args, "timeout", None) is not None and not args.timeout > 0:
         raise PiperError(f"--timeout must be > 0 seconds, got {args.timeout}")
+    if not getattr(args, "expert_skew", 1.0) >= 1:
+        raise PiperError(f"--expert-skew is the busiest rank's routed rows over the mean, "
+                         f">= 1; got {args.expert_skew}")
     if args.seq_len is not None and args.seq_len < 1:
         raise PiperError(f"--seq-len must be >= 1, got {args.seq_len}")
     options = (("seq_len", args.seq_len),) if args.seq_len is not None else ()
@@ -41,6 +44,19 @@ def spec_of(args: argparse.Namespace) -> Any:
     for note in spec.notes:
         log(note)
     return spec
+
+
+def experts_note(args: argparse.Namespace, graph: Any) -> str | None:
+    """The router assumption a model with routed experts is priced under (None without
+    experts): balanced, or the measured skew `--expert-skew` gave."""
+    if not graph.experts:
+        return None
+    skew = args.expert_skew
+    if skew == 1.0:
+        return ("experts: priced with a balanced router (each EP rank gets the mean share of "
+                "routed rows); --expert-skew MAX/MEAN prices a measured one")
+    return (f"experts: priced with the busiest EP rank getting {skew:g}x the mean share of "
+            "routed rows (--expert-skew)")
 
 
 def batch_of(args: argparse.Namespace, spec: Any) -> int:

@@ -23,6 +23,7 @@ def search(args: argparse.Namespace) -> int:
         cluster_of,
         device_of,
         emit,
+        experts_note,
         log,
         planned_precision,
         spec_of,
@@ -56,13 +57,17 @@ def search(args: argparse.Namespace) -> int:
 
         open_storage(storage)  # a bad URL is said now, not after the capture
     t0 = time.perf_counter()
-    ev = Evaluator(spec, args.gpus, batch, cluster, precision=planned_precision(args, cluster))
+    ev = Evaluator(spec, args.gpus, batch, cluster, precision=planned_precision(args, cluster),
+                   expert_skew=args.expert_skew)
     graph = ev.graph
     folded = "".join(f"; traced 2 of {r.length} identical {r.fqn}" for r in ev.captured.folded)
     log(f"captured {spec.path}: {len(graph.regions)} regions, "
         f"{sum(r.param_numel for r in graph.regions) / 1e6:,.1f}M parameters{folded} "
         f"({time.perf_counter() - t0:.1f} s)")
     tell_regions(ev)
+    router = experts_note(args, graph)
+    if router:
+        log(router)
     space, dropped = search_space(ev, cluster.gpus_per_node)
     for line in dropped:
         log(f"left out {line}")
@@ -166,7 +171,7 @@ def search(args: argparse.Namespace) -> int:
     for w in warnings:
         log(f"warning: {w}")
     default = _target_default(args.target, ev, b) if args.target else None
-    said = accuracy_line(cluster.name)
+    said = accuracy_line(cluster.name, moe=bool(ev.graph.experts))
     log(said)
     if args.json:
         best: dict[str, Any] = {"strategy_file": str(files["strategy_file"]),
@@ -184,7 +189,7 @@ def search(args: argparse.Namespace) -> int:
                        for r in pareto(result.records)],
             "distinct_strategies": result.trials - result.repeats,
             "warnings": warnings,
-            "notes": [fit] if fit else [],
+            "notes": [n for n in (fit, router) if n],
             "accuracy": said,
         }
         if default is not None:

@@ -12,6 +12,8 @@ from planner.commands.common import (
     batch_of,
     cluster_of,
     emit,
+    experts_note,
+    log,
     planned_precision,
     program_of,
     spec_of,
@@ -30,8 +32,11 @@ def simulate(args: argparse.Namespace) -> int:
         apply_from(args)
     cluster, _ = cluster_of(args, announce=False)
     ev = Evaluator(spec, args.gpus, batch_of(args, spec), cluster,
-                   precision=planned_precision(args, cluster))
+                   precision=planned_precision(args, cluster), expert_skew=args.expert_skew)
     tell_regions(ev)
+    router = experts_note(args, ev.graph)
+    if router:
+        log(router)
     if getattr(args, "unit_per_layer", False):  # --from torchtitan: FSDP unit per block
         from planner.search.space import layer_units_mb
 

@@ -10,7 +10,7 @@ from typing import Any
 from cost_models import ClusterSpec, ModelCosts, Prediction, simulate
 from cost_models.analytical import with_precision
 from cost_models.memory import MemoryParts, memory_parts
-from cost_models.sharded import InGraphComm, with_in_graph_comm
+from cost_models.sharded import InGraphComm, with_expert_skew, with_in_graph_comm
 from cost_models.task_costs import task_costs
 from piper.capture import ModelGraph
 from piper.dag import TrainingDAG, single_device_dag
@@ -74,6 +74,10 @@ class Evaluator:
     """Price tensor-parallel collectives as overlapped with the GEMMs (Megatron's
     --tp-comm-overlap; `cost_models.sharded.overlapped`): for published runs that used it
     and what-ifs; piper's runtime runs them in line, so the planner leaves this off."""
+    expert_skew: float = 1.0
+    """The busiest rank's share of routed rows over the mean (`--expert-skew`): 1 prices a
+    perfectly balanced router; a measured router's max/mean load prices its imbalance
+    (`cost_models.sharded.with_expert_skew`)."""
     fold: bool = True
     """Trace two copies of each repeated layer and grow the rest (`planner.search.repeats`): the
     same graph and costs, a fraction of the capture time."""
@@ -239,7 +243,8 @@ class Evaluator:
         """Apply, schedule and simulate `program`, or return the cached result for its key."""
         mb = program_microbatch_size(program, self.batch_size)
         key = evaluation_key(program, self.captured.graph, self.costs, self.cluster, mb,
-                             self.gpus, tp_overlap=self.tp_overlap)
+                             self.gpus, tp_overlap=self.tp_overlap,
+                             expert_skew=self.expert_skew)
         hit = self.cache.get(key)
         if hit is not None:
             return hit
@@ -248,12 +253,13 @@ class Evaluator:
             pred = simulate(plan, self.costs, self.cluster, mb)
         else:  # the rank's slice of the math, plus the collectives inside its chunks
             costs, traffic, share = self._slice(plan.sharding)
-            tc = task_costs(plan, costs, self.cluster, mb)
+            tc = with_expert_skew(task_costs(plan, costs, self.cluster, mb), plan, costs,
+                                  self.expert_skew)
             if share:  # what crosses stages is 1/tp (SP) or 1/cp of the sequence per rank
                 tc = dataclasses.replace(tc, value_bytes=tuple(
                     (v, round(b * share.get(v, 1.0))) for v, b in tc.value_bytes))
             durations = with_in_graph_comm(tc, plan, traffic, self.cluster, mb,
-                                           self.tp_overlap)
+                                           self.tp_overlap, self.expert_skew)
             pred = simulate(plan, costs, self.cluster, mb, durations=durations)
             # MFU counts the whole model's FLOPs; the slice's are 1/tp of them (and its
             # tokens 1/cp of each sequence's)

@@ -6,14 +6,17 @@ from __future__ import annotations
 import json
 import re
 
-from cost_models.accuracy import ALL, PATH, accuracy_line, load
+from cost_models.accuracy import ALL, MOE, PATH, accuracy_line, load
 from tests.conftest import ROOT
 
 
 def test_the_figures_are_per_catalog_cluster_and_overall():
     known = load()
     assert ALL in known and known[ALL].runs >= 200
-    assert sum(a.runs for k, a in known.items() if k != ALL) == known[ALL].runs
+    for kind in ("", MOE):  # dense and MoE models' runs apart
+        per_cluster = [a.runs for k, a in known.items()
+                       if k not in (ALL, ALL + MOE) and k.endswith(MOE) == bool(kind)]
+        assert sum(per_cluster) == known[ALL + kind].runs
     data = json.loads(PATH.read_text())
     assert data["command"].startswith("python benchmarks/published_runs.py")
 
@@ -30,6 +33,8 @@ def test_the_line_names_the_cluster_its_runs_and_the_sign(tmp_path):
     assert "no published runs check the predictions for my-box" in other
     assert "all 3 published runs" in other
     assert "no published runs" in accuracy_line("h100-80gb", tmp_path / "none.json")
+    moe = accuracy_line("h100-80gb", path, moe=True)  # dense runs do not vouch for MoE
+    assert "no published MoE runs check the predictions for h100-80gb" in moe
 
 
 def test_the_readme_quotes_todays_overall_figures():

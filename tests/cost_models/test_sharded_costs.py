@@ -13,6 +13,7 @@ from cost_models.sharded import (
     all_to_all_time,
     in_graph_comm,
     overlapped,
+    with_expert_skew,
     with_in_graph_comm,
 )
 from cost_models.task_costs import task_costs
@@ -99,6 +100,18 @@ def test_chunk_times_grow_by_exactly_the_in_graph_collectives() -> None:
     assert got.backward_s[0] - base.backward_s[0] == pytest.approx(2 * (2 * per + counts))
     lat, bw = comm.link(cluster, (0, 1))
     assert per == pytest.approx(lat + 0.5 * 16384 / bw)
+    # a skewed router (the busiest rank gets 1.5x the mean routed rows): that rank's
+    # expert GEMMs take 1.5x as long, and every all-to-all waits for its rows
+    skewed = with_expert_skew(base, plan, costs, 1.5)
+    share = [sum(costs.routed_flops[costs.regions.index(r)] for r in regions)
+             / sum(costs.forward_flops[costs.regions.index(r)] for r in regions)
+             for regions in plan.stage_regions]
+    assert 0 < share[0] < 1
+    assert skewed.forward_s[0] == pytest.approx(base.forward_s[0] * (1 + 0.5 * share[0]))
+    assert skewed.backward_s[0] == pytest.approx(base.backward_s[0] * (1 + 0.5 * share[0]))
+    waits = with_in_graph_comm(base, plan, in_graph_comm(cap), cluster, 4, expert_skew=1.5)
+    assert waits.forward_s[0] - base.forward_s[0] == pytest.approx(3 * (2 * per + counts))
+    assert with_expert_skew(base, plan, costs, 1.0) is base
 
 
 def test_tensor_parallel_halves_the_math_and_adds_all_reduces() -> None:

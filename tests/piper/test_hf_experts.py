@@ -88,3 +88,19 @@ def test_experts_outside_the_interface_run_unsharded_and_ep_says_why(tmp_path, c
     assert any("expert parallelism: off (model.layers.0.feed_forward.experts" in line
                for line in err)
     assert err[-1].startswith("error: --ep 2: the model has no routed experts")
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_grouped_gemm_runs_the_models_experts_as_the_loop_does(family):
+    from piper.moe import grouped_ffn
+
+    model = _model(family).float()
+    adopt_experts(model)
+    experts = next(iter(expert_modules(model).values()))
+    ffn = experts.piper_ffn
+    weights = [getattr(experts, n) for n in ffn.weights]
+    counts = [5, 0, 3, 8][:experts.num_experts]  # an expert no row was routed to
+    rows = torch.randn(sum(counts), model.config.hidden_size)
+    fast = grouped_ffn(rows, weights, counts, ffn, grouped=True)
+    slow = grouped_ffn(rows, weights, counts, ffn, grouped=False)
+    torch.testing.assert_close(fast, slow, rtol=1e-4, atol=1e-5)

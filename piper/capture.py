@@ -36,7 +36,7 @@ from piper.context_parallel import sequence_of
 from piper.errors import PiperError
 from piper.graph_passes import drop_metadata_asserts, to_meta
 from piper.model_file import ModelSpec
-from piper.moe import eager_experts, expert_modules
+from piper.moe import eager_experts, expert_cuts, expert_modules
 from piper.regions import AutoRegions, annotate_automatically
 from piper.sequence_split import local_example, split_sequence
 from piper.sharding import ModelSharding
@@ -96,6 +96,9 @@ class ModelGraph:
     tied_numel: tuple[int, ...] = ()  # element count of each tied parameter
     linears: tuple[tuple[str, tuple[int, int]], ...] = ()  # nn.Linear/Embedding: weight shape
     experts: tuple[tuple[str, int, str], ...] = ()  # Experts modules: (name, count, region)
+    expert_cuts: tuple[tuple[str, int, int, int], ...] = ()
+    """Expert weights expert tensor parallelism can cut: (parameter, hidden dimension,
+    halves, its size); experts with biases have none."""
     tp_plan: tuple[tuple[str, str], ...] = ()  # the model file's TP_PLAN
 
     def region(self, name: str) -> Region:
@@ -326,9 +329,13 @@ def _modules(model: torch.nn.Module, mg: ModelGraph) -> dict:
     owner = {p: r.name for r in mg.regions for p in r.params}
     linears = tuple((n, tuple(m.weight.shape)) for n, m in model.named_modules()
                     if type(m) in (torch.nn.Linear, torch.nn.Embedding))
+    modules = expert_modules(model)
     experts = tuple((n, m.num_experts, owner.get(f"{n}.{m.piper_ffn.weights[0]}", ""))
-                    for n, m in expert_modules(model).items())
-    return {"linears": linears, "experts": experts}
+                    for n, m in modules.items())
+    cuts = tuple((f"{n}.{p}", dim, halves, int(getattr(m, p).shape[dim]))
+                 for n, m in modules.items() if not m.piper_ffn.bias
+                 for p, (dim, halves) in expert_cuts(m.piper_ffn))
+    return {"linears": linears, "experts": experts, "expert_cuts": cuts}
 
 
 def _tag(node: fx.Node) -> str | None:

@@ -147,7 +147,9 @@ def _seq_gather(x: torch.Tensor, key: int, degree: int) -> torch.Tensor:
     g = bound_group(key)
     with lanes.waiting():
         dist.all_gather_single(out, src, group=g)
-    return out.transpose(0, 1).to(x.dtype)
+    # back in the model's [b, s, ...] layout, contiguous: a model may `view` it (Hugging
+    # Face's MoE blocks flatten their tokens so)
+    return out.transpose(0, 1).to(x.dtype).contiguous()
 
 
 def _seq_scatter(x: torch.Tensor, key: int, degree: int) -> torch.Tensor:
@@ -156,7 +158,7 @@ def _seq_scatter(x: torch.Tensor, key: int, degree: int) -> torch.Tensor:
     g = bound_group(key)
     with lanes.waiting():
         dist.reduce_scatter_single(out, src, group=g)
-    return out.transpose(0, 1).to(x.dtype)
+    return out.transpose(0, 1).to(x.dtype).contiguous()
 
 
 @torch.library.custom_op("piper::sp_gather", mutates_args=())

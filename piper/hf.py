@@ -60,13 +60,17 @@ def load_hf_model(path: str | Path, model_args: tuple[tuple[str, Any], ...] = ()
                          f"(max_position_embeddings {limit})")
     vocab = int(config.vocab_size)
     cls = transformers.AutoModelForCausalLM._model_mapping[type(config)]
-    tp_plan, notes = _tp_plan(config, getattr(cls, "base_model_prefix", "") or "")
+    prefix = getattr(cls, "base_model_prefix", "") or ""
+    tp_plan, notes = _tp_plan(config, prefix)
     with torch.device("meta"):
         shape = transformers.AutoModelForCausalLM.from_config(config)
     names = [n for n, _ in shape.named_modules()]
     # entries for kinds of layer this model does not have (the dense MLP of an all-MoE
-    # config) are left out, as transformers leaves them
+    # config) are left out, as transformers leaves them; then where sequence parallelism
+    # gathers, from the layers that are split
     tp_plan = tuple((k, v) for k, v in tp_plan if any(fnmatch.fnmatchcase(n, k) for n in names))
+    if tp_plan:
+        tp_plan += _sequence_entries(config, f"{prefix}." if prefix else "", tp_plan)
     notes += experts_notes(shape)
     weights = sorted(folder.glob("*.safetensors")) if p.is_dir() else []
 
@@ -135,8 +139,9 @@ def _config(transformers: Any, p: Path, model_args: tuple[tuple[str, Any], ...])
 
 
 def _tp_plan(config: Any, prefix: str) -> tuple[tuple[tuple[str, str], ...], list[str]]:
-    """`base_model_tp_plan` in our styles, under the causal LM's base-model prefix; empty
-    (and a note why) when it has a style we do not run."""
+    """`base_model_tp_plan` in our styles, under the causal LM's base-model prefix (without
+    sequence parallelism's module entries: `_sequence_entries`); empty (and a note why)
+    when it has a style we do not run."""
     plan = getattr(config, "base_model_tp_plan", None) or {}
     if not plan:
         return (), [(f"tensor parallelism: off ({type(config).__name__} has no "
@@ -147,8 +152,7 @@ def _tp_plan(config: Any, prefix: str) -> tuple[tuple[tuple[str, str], ...], lis
         return (), [(f"tensor parallelism: off (base_model_tp_plan gives {k} style {v!r}; "
                     f"supported: {', '.join(TP_STYLES)})")]
     under = f"{prefix}." if prefix else ""
-    ours = tuple((f"{under}{k}", TP_STYLES[v]) for k, v in plan.items())
-    return ours + _sequence_entries(config, under, ours), []
+    return tuple((f"{under}{k}", TP_STYLES[v]) for k, v in plan.items()), []
 
 
 def _sequence_entries(config: Any, under: str, plan: tuple[tuple[str, str], ...]

@@ -50,7 +50,9 @@ def experts_ffn(module: nn.Module) -> ExpertFFN | str:
     if odd:
         return f"its {odd[0]} is not stacked by its {experts} experts"
     activate = module._apply_gate if gated else module.act_fn
-    return ExpertFFN(names, activate, transposed=bool(module.is_transposed), bias=bias)
+    halves = 2 if gated and getattr(module, "is_concatenated", True) else 1
+    return ExpertFFN(names, activate, transposed=bool(module.is_transposed), bias=bias,
+                     halves=halves)
 
 
 def experts_notes(model: nn.Module) -> list[str]:

@@ -44,7 +44,16 @@ import torch.nn.functional as F
 from torch import fx, nn
 
 from piper import lanes
-from piper.collectives import EP_GROUP, bound_group, wire_dtype
+from piper.collectives import (
+    EP_GROUP,
+    TP_GROUP,
+    bound_group,
+    sp_gather,
+    sp_scatter,
+    tp_copy,
+    tp_reduce,
+    wire_dtype,
+)
 
 
 @dataclass(frozen=True)
@@ -63,6 +72,16 @@ class ExpertFFN:
     transposed: bool = True
     """Weights as [E, in, out] (rows @ W); False: [E, out, in] (F.linear, as nn.Linear)."""
     bias: bool = False
+    halves: int = 1
+    """Parts the up projection's hidden dimension is stacked from: 2 for a gate and an up
+    one after the other ([gate; up]), each split in its own half by expert tensor
+    parallelism; 1 otherwise (an interleaved gate keeps its pairs in any contiguous cut)."""
+
+    @property
+    def hidden_dims(self) -> tuple[int, int]:
+        """The hidden dimension of the stacked up and down weights (expert tensor
+        parallelism cuts there: up by its outputs, down by its inputs)."""
+        return (2, 1) if self.transposed else (1, 2)
 
     def widths(self, up: torch.Tensor, down: torch.Tensor) -> tuple[int, int]:
         """(up's output width, down's input width) of stacked weights: what each routed row
@@ -99,16 +118,33 @@ class Experts(nn.Module):
 
 def routed_forward(module: nn.Module, x: torch.Tensor, idx: torch.Tensor,
                    gate: torch.Tensor) -> torch.Tensor:
-    """The forward of any routed experts module (`piper_ffn`, `num_experts`; `piper_ep` once
-    `shard_experts` split it): traced, one node of fixed shape (see the module docstring)."""
+    """The forward of any routed experts module (`piper_ffn`, `num_experts`; `piper_ep`,
+    `piper_etp` once `shard_experts` split it): traced, one node of fixed shape (see the
+    module docstring).
+
+    Under expert tensor parallelism each TP rank holds 1/etp of every local expert's hidden
+    features, so its rows come out as partial sums: the tokens enter as a column-parallel
+    layer's input does (f; with sequence parallelism, each rank's share gathered) and
+    leave as a row-parallel layer's output (g; with sequence parallelism, reduce-scattered
+    back to each rank's share)."""
     ffn: ExpertFFN = module.piper_ffn  # type: ignore[assignment]
+    etp, sp = int(getattr(module, "piper_etp", 1)), bool(getattr(module, "piper_sp", False))
+    if etp > 1 and sp:
+        x, idx, gate = (sp_gather(t.unsqueeze(0), TP_GROUP, etp).squeeze(0)
+                        for t in (x, idx, gate))
+    elif etp > 1:
+        x, gate = tp_copy(x, TP_GROUP), tp_copy(gate, TP_GROUP)
     weights = [getattr(module, n) for n in ffn.weights]
     experts, ep = int(module.num_experts), int(getattr(module, "piper_ep", 1))
     if torch.compiler.is_exporting():
         key = f"{type(module).__qualname__}@{id(module):x}"
         _LIVE[key] = module
-        return routed_experts_op(x, idx, gate, weights, experts, ep, key)
-    return routed_experts(x, idx, gate, weights, experts, ep, ffn)
+        out = routed_experts_op(x, idx, gate, weights, experts, ep, key)
+    else:
+        out = routed_experts(x, idx, gate, weights, experts, ep, ffn)
+    if etp > 1 and sp:
+        return sp_scatter(out.unsqueeze(0), TP_GROUP, etp).squeeze(0)
+    return tp_reduce(out, TP_GROUP) if etp > 1 else out
 
 
 def routed_experts(x: torch.Tensor, idx: torch.Tensor, gate: torch.Tensor,
@@ -356,9 +392,12 @@ def expert_params(names: Iterable[str], params: Iterable[str]) -> set[str]:
     return {p for p in params if p.rpartition(".")[0] in owners}
 
 
-def shard_experts(model: nn.Module, names: tuple[str, ...], degree: int, rank: int) -> None:
-    """Keep rank `rank`'s E/degree experts of each named experts module, in place."""
-    if degree == 1:
+def shard_experts(model: nn.Module, names: tuple[str, ...], degree: int, rank: int,
+                  etp: int = 1, tp_rank: int = 0, sequence_parallel: bool = False) -> None:
+    """Keep rank `rank`'s E/degree experts of each named experts module, in place, and with
+    expert tensor parallelism (`etp` > 1) TP rank `tp_rank`'s 1/etp of their hidden
+    features (Megatron's expert tensor parallelism: up split by outputs, down by inputs)."""
+    if degree == 1 and etp == 1:
         return
     modules = expert_modules(model)
     for name in names:
@@ -366,7 +405,34 @@ def shard_experts(model: nn.Module, names: tuple[str, ...], degree: int, rank: i
         if m.num_experts % degree:
             raise ValueError(f"{name}: {m.num_experts} experts are not divisible by "
                              f"ep={degree}")
+        ffn: ExpertFFN = m.piper_ffn  # type: ignore[assignment]
+        cuts = dict(expert_cuts(ffn)) if etp > 1 else {}
+        if etp > 1 and ffn.bias:
+            raise ValueError(f"{name}: expert tensor parallelism of experts with biases is "
+                             "not supported")
         with torch.no_grad():
             for p, w in list(m.named_parameters(recurse=False)):
-                setattr(m, p, nn.Parameter(w.chunk(degree, dim=0)[rank].clone()))
+                w = w.chunk(degree, dim=0)[rank]
+                if p in cuts:
+                    w = hidden_slice(w, *cuts[p], etp, tp_rank, f"{name}.{p}")
+                setattr(m, p, nn.Parameter(w.clone()))
         m.piper_ep = degree
+        if etp > 1:
+            m.piper_etp, m.piper_sp = etp, sequence_parallel
+            m.tp_split = True  # its parameters are TP shards: not replicated over TP
+
+
+def expert_cuts(ffn: ExpertFFN) -> tuple[tuple[str, tuple[int, int]], ...]:
+    """Where expert tensor parallelism cuts an FFN's stacked weights: parameter name ->
+    (hidden dimension, halves)."""
+    up_dim, down_dim = ffn.hidden_dims
+    return ((ffn.weights[0], (up_dim, ffn.halves)), (ffn.weights[1], (down_dim, 1)))
+
+
+def hidden_slice(w: torch.Tensor, dim: int, halves: int, parts: int, index: int,
+                 name: str = "") -> torch.Tensor:
+    """Part `index` of `parts` of `w`'s dimension `dim`, cut in each of its `halves`."""
+    if w.shape[dim] % (halves * parts):
+        raise ValueError(f"{name}: hidden size {w.shape[dim] // halves} is not divisible by "
+                         f"etp={parts}")
+    return torch.cat([h.chunk(parts, dim)[index] for h in w.chunk(halves, dim)], dim)

@@ -95,6 +95,8 @@ class Program:
             "sp": any(isinstance(d, ShardTensor) and d.sequence_parallel
                       for d in self.directives),
             "ep": next((d.degree for d in self.directives if isinstance(d, Shard)), 1),
+            # expert tensor parallelism: 1 or tp
+            "etp": next((d.tensor for d in self.directives if isinstance(d, Shard)), 1),
             "cp": next((d.degree for d in self.directives if isinstance(d, ShardSequence)), 1),
             "zero": rep[0].zero if rep else 0,
             "schedule": self.name,

@@ -29,16 +29,25 @@ class ModelSharding:
     """Context parallelism: each of `cp` ranks holds its share of every sequence through the
     whole model (`piper.context_parallel`); the modules are not changed, the capture is."""
     cp_mode: str = "ring"  # how attention exchanges keys and values: ring or all_gather
+    etp: int = 1
+    """Expert tensor parallelism (Megatron's): 1, each TP rank holds its experts whole, or
+    `tp`, each holds 1/tp of every expert's hidden features (`piper.moe.shard_experts`)."""
+    expert_cuts: tuple[tuple[str, int, int], ...] = ()
+    """With etp > 1: (parameter, hidden dimension, halves) of every expert weight it cuts,
+    so checkpoints know each rank's piece without the module."""
 
     @property
     def trivial(self) -> bool:
-        return self.tp == 1 and self.ep == 1 and self.cp == 1
+        return self.tp == 1 and self.ep == 1 and self.cp == 1 and self.etp == 1
 
     def describe(self) -> str:
         cp = f" cp={self.cp} {self.cp_mode}" if self.cp > 1 else ""
-        return f"tp={self.tp}{' sp' if self.sp else ''} ep={self.ep}{cp}"
+        etp = f" etp={self.etp}" if self.etp > 1 else ""
+        return f"tp={self.tp}{' sp' if self.sp else ''} ep={self.ep}{etp}{cp}"
 
     def apply(self, model: nn.Module, tp_rank: int, ep_rank: int) -> nn.Module:
+        # experts first: once cut by expert tensor parallelism they are TP shards, which
+        # sequence parallelism must not treat as replicated
+        shard_experts(model, self.experts, self.ep, ep_rank, self.etp, tp_rank, self.sp)
         shard_linears(model, self.tp_plan, self.tp, tp_rank, self.sp)
-        shard_experts(model, self.experts, self.ep, ep_rank)
         return model

@@ -280,6 +280,7 @@ def shard_linears(model: nn.Module, plan: Iterable[tuple[str, str]], degree: int
         inside = _sequence_region(plan, modules)
         for n, m in modules.items():
             if (n not in split and n not in replicated and inside(n)
+                    and not getattr(m, "tp_split", False)  # already TP shards (experts)
                     and any(True for _ in m.parameters(recurse=False))):
                 m.__class__ = _replicated(type(m))
 

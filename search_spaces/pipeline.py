@@ -87,6 +87,10 @@ class PipelineSpace(SearchSpace):
     point's `variants` (it changes memory and communication, never which points exist)."""
     sp_with_tp: bool = False
     """Every point with tp > 1 runs sequence parallelism (torchtitan's TP always does)."""
+    expert_hidden: int = 0
+    """The gcd of the experts' hidden sizes, when expert tensor parallelism can split every
+    routed experts module (0: it cannot). Points with tp > 1 then also run with etp = tp,
+    as one of their `variants`."""
     max_zero_in_pipeline: int = 3
     unit_layer_mb: float = 0
     """Nonzero: data-parallel collectives in units of one transformer block of this many
@@ -150,6 +154,8 @@ class PipelineSpace(SearchSpace):
                 "cp": values(lambda p: p["cp"]),
                 "sp": [False, True] if True in self.sps and max(self.tps) > 1 else [False],
                 "ep": values(lambda p: p["ep"]), "zero": values(lambda p: p["zero"]),
+                "etp": sorted({1, *(t for t in self.tps if t > 1 and self.violation(
+                    pp=1, microbatches=1, schedule=NO_PIPELINE, tp=t, etp=t) is None)}),
                 "schedule": values(lambda p: p["schedule"]),
                 "virtual_stages": values(lambda p: VIRTUAL.get(p["schedule"], 1)),
                 "microbatches": values(lambda p: p["microbatches"]),
@@ -212,9 +218,12 @@ class PipelineSpace(SearchSpace):
         if 0 not in self.buckets and len(out) > 1:  # only the sizes given (a framework's)
             out = out[1:]
         if self.sp_with_tp and point.get("tp", 1) > 1:
-            return [{**p, "sp": True} for p in out]
-        if True in self.sps and point.get("tp", 1) > 1 and not point.get("sp"):
+            out = [{**p, "sp": True} for p in out]
+        elif True in self.sps and point.get("tp", 1) > 1 and not point.get("sp"):
             out += [{**p, "sp": True} for p in out]  # each, with sequence parallelism
+        tp = point.get("tp", 1)
+        if tp > 1 and point.get("etp", 1) == 1 and self.violation(**{**point, "etp": tp}) is None:
+            out += [{**p, "etp": tp} for p in out]  # each, with expert tensor parallelism
         return out
 
     def check(self, **params: Any) -> None:
@@ -225,7 +234,7 @@ class PipelineSpace(SearchSpace):
     def violation(self, *, pp: int, microbatches: int, schedule: str, zero: int = 0,
                   tp: int = 1, ep: int = 1, recompute: bool | str = False,
                   comm_stream: bool = False, bucket_mb: float = 0, sp: bool = False,
-                  cp: int = 1) -> str | None:
+                  cp: int = 1, etp: int = 1) -> str | None:
         """Why the point is not a valid strategy, or None; no Program is built (recompute
         runs with everything, so it adds no rule)."""
         m, sched = microbatches, schedule
@@ -263,6 +272,9 @@ class PipelineSpace(SearchSpace):
             return "buckets of data-parallel collectives need dp > 1"
         if sp and tp == 1:
             return "sequence parallelism splits the sequence over a tensor-parallel group"
+        if etp > 1 and (etp != tp or not self.expert_hidden or self.expert_hidden % etp):
+            return (f"expert tensor parallelism etp={etp} needs etp = tp ({tp}) and experts "
+                    "whose hidden size it divides")
         if sched == "interleaved-1f1b" and m % pp:
             return f"interleaved-1f1b needs microbatches ({m}) divisible by pp={pp}"
         if sched == "dualpipev" and m < 2 * pp:
@@ -279,7 +291,8 @@ class PipelineSpace(SearchSpace):
                                dp=dp, pp=pp, zero=zero,
                                recompute=params.get("recompute", False))
         prog = schedules.shard(prog, tp=tp, ep=ep, expert_regions=self.expert_regions,
-                               sp=bool(params.get("sp", False)), cp=cp)
+                               sp=bool(params.get("sp", False)), cp=cp,
+                               etp=params.get("etp", 1))
         if params.get("bucket_mb"):
             prog = schedules.with_buckets(prog, params["bucket_mb"])
         return schedules.with_comm_stream(prog, zero) if params.get("comm_stream") else prog
@@ -333,9 +346,13 @@ def model_space(graph: ModelGraph, region_costs: tuple[float, ...], gpus: int,
             check_divisible(shapes[n], style, parts, t) is None
             for n, (style, parts) in targets.items())]
     eps = [1]
+    hidden = 0
     if graph.experts:
         counts = math.gcd(*(count for _, count, _ in graph.experts))
         eps += [e for e in divisors(counts) if 1 < e <= gpus]
+        cut = {p.rpartition(".")[0] for p, *_ in graph.expert_cuts}
+        if all(name in cut for name, _, _ in graph.experts):  # none with biases
+            hidden = math.gcd(*(size // halves for _, _, halves, size in graph.expert_cuts))
     return PipelineSpace(graph.names, region_costs, gpus, batch_size, schedules=ALL_SCHEDULES,
                          zeros=(0, 1, 2, 3), tps=tuple(tps), eps=tuple(eps),
-                         expert_regions=graph.expert_regions)
+                         expert_regions=graph.expert_regions, expert_hidden=hidden)

@@ -27,6 +27,10 @@ class Shard(Directive):
     regions: tuple[str, ...]
     _: KW_ONLY
     degree: int
+    tensor: int = 1
+    """Expert tensor parallelism (Megatron's): 1, each tensor-parallel rank holds its
+    experts whole; or the ShardTensor degree before this directive, each holds 1/tensor of
+    every expert's hidden features and the experts' rows are summed over the TP group."""
     phase = 3
 
     def __post_init__(self) -> None:
@@ -42,7 +46,7 @@ class Shard(Directive):
     def apply(self, dag: TrainingDAG, index: int) -> TrainingDAG:
         if not isinstance(self.degree, int) or self.degree < 1:
             raise DirectiveError(index, self, "degree must be an int >= 1")
-        if dag.sharding.ep != 1 or dag.ordered:
+        if dag.sharding.ep != 1 or dag.sharding.etp != 1 or dag.ordered:
             raise DirectiveError(index, self, "Shard must come once, before Order")
         if dag.sharding.cp != 1:
             raise DirectiveError(index, self, "expert parallelism with context parallelism "
@@ -60,5 +64,32 @@ class Shard(Directive):
                     raise DirectiveError(index, self, f"{module} has {count} experts, not "
                                          f"divisible by ep={self.degree}")
                 names += [module] if module not in names else []
-        sharding = replace(dag.sharding, ep=self.degree, experts=tuple(names))
+        cuts = self._cuts(dag, index, names)
+        sharding = replace(dag.sharding, ep=self.degree, experts=tuple(names),
+                           etp=self.tensor, expert_cuts=cuts)
         return dag.with_graph(dag.graph, sharding=sharding)
+
+    def _cuts(self, dag: TrainingDAG, index: int, names: list[str]
+              ) -> tuple[tuple[str, int, int], ...]:
+        """The expert weights `tensor` cuts, checked against the model."""
+        if not isinstance(self.tensor, int) or self.tensor < 1:
+            raise DirectiveError(index, self, "tensor must be an int >= 1")
+        if self.tensor == 1:
+            return ()
+        if self.tensor != dag.sharding.tp:
+            raise DirectiveError(index, self, f"tensor={self.tensor} must be 1 or the "
+                                 f"tensor-parallel degree (ShardTensor before it: "
+                                 f"tp={dag.sharding.tp})")
+        out = []
+        for module in names:
+            cuts = [c for c in dag.model.expert_cuts if c[0].rpartition(".")[0] == module]
+            if not cuts:
+                raise DirectiveError(index, self, f"{module}: experts with biases cannot be "
+                                     "split by expert tensor parallelism")
+            for param, dim, halves, size in cuts:
+                if size % (halves * self.tensor):
+                    raise DirectiveError(index, self, f"{param}: hidden size "
+                                         f"{size // halves} is not divisible by "
+                                         f"tensor={self.tensor}")
+                out.append((param, dim, halves))
+        return tuple(out)

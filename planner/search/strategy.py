@@ -78,8 +78,15 @@ def shorthand_program(args: argparse.Namespace, gpus: int, regions: tuple[str, .
     if cp > 1 and ep > 1:
         raise PiperError("--cp with --ep: context parallelism with expert parallelism is "
                          "not supported")
+    etp = getattr(args, "etp", None) or 1
+    if etp not in (1, tp):
+        raise PiperError(f"--etp {etp}: expert tensor parallelism is 1 (experts whole on "
+                         f"each tensor-parallel rank) or --tp ({tp})")
+    if etp > 1 and not expert_regions:
+        raise PiperError(f"--etp {etp}: the model has no routed experts to split")
     prog = schedules.shard(prog, tp=tp, ep=ep, expert_regions=expert_regions, sp=sp, cp=cp,
-                           cp_attention=getattr(args, "cp_attention", None) or "ring")
+                           cp_attention=getattr(args, "cp_attention", None) or "ring",
+                           etp=etp)
     bucket = getattr(args, "bucket_mb", None)
     if bucket is not None:
         if not bucket > 0:
@@ -103,6 +110,10 @@ def add_shorthand_flags(p: argparse.ArgumentParser) -> None:
                    "layers each rank keeps 1/tp of the sequence")
     g.add_argument("--ep", type=int, help="expert-parallel degree (splits routed experts "
                    "over data-parallel replicas)")
+    g.add_argument("--etp", type=int, help="expert tensor parallelism: 1 (default: each "
+                   "tensor-parallel rank holds its experts whole) or --tp (each holds 1/tp "
+                   "of every expert's hidden features, as Megatron's "
+                   "--expert-tensor-parallel-size)")
     g.add_argument("--cp", type=int, help="context-parallel degree: each rank keeps 1/cp "
                    "of every sequence (two chunks, one from each end) and attention "
                    "exchanges keys and values")

@@ -62,9 +62,14 @@ class Slicing:
         } if sharding.tp > 1 else {}
         self.experts = expert_params(sharding.experts, full_shapes) if sharding.ep > 1 \
             else set()
+        # expert tensor parallelism: (hidden dimension, halves) of each expert weight cut
+        self.cuts = {p: (dim, halves) for p, dim, halves in sharding.expert_cuts
+                     } if sharding.etp > 1 else {}
 
     def tp_split(self, name: str) -> bool:
         """Each tensor-parallel rank holds a different part (else rank 0's copy counts)."""
+        if name in self.cuts:
+            return True
         style = self.styles.get(name)
         return style is not None and style[0] != "sequence" and not (
             style[0] == "rowwise" and name.endswith(".bias"))
@@ -72,10 +77,8 @@ class Slicing:
     def pieces(self, name: str) -> list[Piece]:
         full = self.full[name]
         zero = (0,) * len(full)
-        if name in self.experts:
-            n = full[0] // self.sh.ep
-            sizes = (n, *full[1:])
-            return [Piece(zero, sizes, (self.ep_rank * n, *zero[1:]))]
+        if name in self.experts or name in self.cuts:
+            return self._expert_pieces(name, full)
         if not self.tp_split(name):
             return [Piece(zero, full, zero)]
         kind, parts = self.styles[name]
@@ -88,6 +91,24 @@ class Slicing:
                           (k * block + r * piece, *zero[1:])) for k in range(parts)]
         cols = full[1] // tp  # rowwise weight: this rank's input columns
         return [Piece(zero, (full[0], cols), (0, r * cols))]
+
+    def _expert_pieces(self, name: str, full: Shape) -> list[Piece]:
+        """An expert weight: this rank's E/ep experts (dimension 0), and with expert tensor
+        parallelism its 1/etp of each half of the hidden dimension."""
+        ep = self.sh.ep if name in self.experts else 1
+        n = full[0] // ep
+        sizes, local = [n, *full[1:]], [0] * len(full)
+        whole = [self.ep_rank * n if ep > 1 else 0] + [0] * (len(full) - 1)
+        if name not in self.cuts:
+            return [Piece(tuple(local), tuple(sizes), tuple(whole))]
+        dim, halves = self.cuts[name]
+        half = full[dim] // halves
+        part = half // self.sh.etp
+        out = []
+        for k in range(halves):
+            sizes[dim], local[dim], whole[dim] = part, k * part, k * half + self.tp_rank * part
+            out.append(Piece(tuple(local), tuple(sizes), tuple(whole)))
+        return out
 
     def local_shape(self, name: str) -> Shape:
         ps = self.pieces(name)
@@ -105,12 +126,27 @@ class Slicing:
                 b = [min(o + s, q + t) for o, s, q, t in zip(off, sizes, p.local, p.sizes)]
                 if any(x >= y for x, y in zip(a, b)):
                     continue
-                sub = tuple(y - x for x, y in zip(a, b))
-                start = sum(x * s for x, s in zip(a, strides))
-                out.append(Box(name, self.full[name],
-                               tuple(f + x - q for f, x, q in zip(p.full, a, p.local)),
-                               sub, base + start, owner))
+                # a piece cut inside a dimension (expert tensor parallelism's halves) can
+                # meet a block in a part that is not one run of memory: in runs
+                for at, sub in _runs(tuple(a), tuple(y - x for x, y in zip(a, b)), shape):
+                    start = sum(x * s for x, s in zip(at, strides))
+                    out.append(Box(name, self.full[name],
+                                   tuple(f + x - q for f, x, q in zip(p.full, at, p.local)),
+                                   sub, base + start, owner))
         return out
+
+
+def _runs(at: Shape, sub: Shape, shape: Shape) -> list[tuple[Shape, Shape]]:
+    """Block `sub` at `at` of a row-major tensor of `shape` as contiguous blocks: whole once
+    every dimension after its first non-unit one is whole, else one per index of it."""
+    lead = next((d for d, n in enumerate(sub) if n > 1), len(sub))
+    if all(sub[d] == shape[d] for d in range(lead + 1, len(sub))):
+        return [(at, sub)]
+    out = []
+    for i in range(sub[lead]):
+        out += _runs((*at[:lead], at[lead] + i, *at[lead + 1:]),
+                     (*sub[:lead], 1, *sub[lead + 1:]), shape)
+    return out
 
 
 def range_boxes(shape: Shape, lo: int, hi: int) -> list[tuple[Shape, Shape]]:

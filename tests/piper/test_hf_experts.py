@@ -104,3 +104,33 @@ def test_grouped_gemm_runs_the_models_experts_as_the_loop_does(family):
     fast = grouped_ffn(rows, weights, counts, ffn, grouped=True)
     slow = grouped_ffn(rows, weights, counts, ffn, grouped=False)
     torch.testing.assert_close(fast, slow, rtol=1e-4, atol=1e-5)
+
+
+def test_expert_tensor_parallelism_keeps_each_half_of_the_hidden_features(tmp_path):
+    """etp=2: TP rank r keeps rows r of the gate half and of the up half of gate_up_proj,
+    columns r of down_proj; traced, the experts enter through f and leave through g."""
+    from piper.loading import load_model
+    from piper.sharding import ModelSharding
+
+    spec = load_model(write_config(tmp_path / "q", "qwen3_moe"), (), (("seq_len", SEQ),))
+    torch.manual_seed(0)
+    whole = spec.build()
+    name = next(iter(expert_modules(whole)))
+    full = {p: getattr(expert_modules(whole)[name], p).detach() for p in
+            ("gate_up_proj", "down_proj")}  # [E, 2I, d], [E, d, I]: I = 16
+    cap = capture(spec, 2)
+    cuts = tuple((p, d, h) for p, d, h, _ in cap.graph.expert_cuts)
+    sh = ModelSharding(tp=2, tp_plan=spec.tp_plan, etp=2, expert_cuts=cuts,
+                       experts=tuple(n for n, _, _ in cap.graph.experts))
+    torch.manual_seed(0)
+    model = sh.apply(spec.build(), tp_rank=1, ep_rank=0)
+    mine = expert_modules(model)[name]
+    gate, up = full["gate_up_proj"].chunk(2, dim=1)
+    assert torch.equal(mine.gate_up_proj, torch.cat([gate[:, 8:], up[:, 8:]], dim=1))
+    assert torch.equal(mine.down_proj, full["down_proj"][:, :, 8:])
+    traced = capture(spec, 2, sh)
+    routed = [s for n in traced.program.graph.nodes if (s := routed_shapes(n)) is not None]
+    assert {(s.up, s.down) for s in routed} == {(16, 8)}  # half of 2I and of I
+    ops = [str(n.target) for n in traced.program.graph.nodes if n.op == "call_function"]
+    layers = len(routed)
+    assert ops.count("piper.tp_reduce.default") >= 2 * layers  # o_proj's g, the experts' g

@@ -74,6 +74,7 @@ class Layout:
     model: ModelShape
     cp: int = 1
     cp_attention: str = "ring"  # how context-parallel attention exchanges keys and values
+    etp: int = 1  # expert tensor parallelism: 1 or tp
 
     @property
     def microbatch_size(self) -> int:
@@ -101,7 +102,7 @@ def layout(program: Program, summary: dict[str, Any], global_batch: int, gpus: i
         comm_stream=bool(summary.get("comm_stream")), bucket_mb=summary.get("bucket_mb"),
         precision=precision, stage_layers=layers, stage_regions=regions,
         model=model_shape(spec) if spec is not None else ModelShape(),
-        cp=summary.get("cp", 1),
+        cp=summary.get("cp", 1), etp=summary.get("etp", 1),
         cp_attention=next((d.attention for d in program.directives
                            if isinstance(d, ShardSequence)), "ring"))
 

@@ -44,8 +44,13 @@ def megatron_args(lay: Layout) -> Exported:
              "--context-parallel-size", str(lay.cp)]
     if lay.cp > 1:  # Megatron's ring is its p2p form
         args += ["--cp-comm-type", "p2p" if lay.cp_attention == "ring" else "all_gather"]
-    if lay.ep > 1:
-        args += ["--expert-model-parallel-size", str(lay.ep)]
+    if lay.ep > 1 or lay.etp > 1:
+        args += ["--expert-model-parallel-size", str(lay.ep),
+                 "--expert-tensor-parallel-size", str(lay.etp)]
+        if lay.etp == 1 and lay.tp > 1:
+            notes.append("experts: with --expert-tensor-parallel-size 1 Megatron also spreads "
+                         "the experts over the tensor-parallel ranks (its expert mesh, EP x "
+                         "ETP x EDP = TP x DP); piper-plan holds them whole on each")
     if lay.sp:
         args.append("--sequence-parallel")
     args += _pipeline(lay, notes)

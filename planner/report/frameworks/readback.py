@@ -34,6 +34,7 @@ def from_torchtitan(path: str, gpus: int) -> tuple[Shorthand, list[str]]:
     notes: list[str] = []
     tp, pp = int(par.get("tensor_parallel_degree", 1)), int(par.get("pipeline_parallel_degree", 1))
     cp, ep = int(par.get("context_parallel_degree", 1)), int(par.get("expert_parallel_degree", 1))
+    etp = int(par.get("expert_tensor_parallel_degree", 1))
     replicate = int(par.get("data_parallel_replicate_degree", 1))
     shard = int(par.get("data_parallel_shard_degree", -1))
     if shard == -1:
@@ -81,7 +82,7 @@ def from_torchtitan(path: str, gpus: int) -> tuple[Shorthand, list[str]]:
         rotate = par.get("context_parallel_rotate_method", "allgather")
         notes.append(f"context_parallel_rotate_method {rotate!r}: read as "
                      + ("ring attention" if rotate == "alltoall" else "all-gather attention"))
-    return ({"pp": pp, "dp": dp, "tp": tp, "sp": tp > 1, "ep": ep, "cp": cp,
+    return ({"pp": pp, "dp": dp, "tp": tp, "sp": tp > 1, "ep": ep, "etp": etp, "cp": cp,
              "cp_attention": "ring" if cp > 1 and par.get(
                  "context_parallel_rotate_method") == "alltoall" else "all_gather",
              "zero": zero, "schedule": schedule, "virtual_stages": v, "microbatches": microbatches,
@@ -97,7 +98,8 @@ def from_megatron(text: str, gpus: int) -> tuple[Shorthand, list[str]]:
     p = argparse.ArgumentParser(add_help=False)
     for flag, kind in (("--tensor-model-parallel-size", int), ("--pipeline-model-parallel-size",
                        int), ("--context-parallel-size", int),
-                       ("--expert-model-parallel-size", int), ("--micro-batch-size", int),
+                       ("--expert-model-parallel-size", int),
+                       ("--expert-tensor-parallel-size", int), ("--micro-batch-size", int),
                        ("--global-batch-size", int), ("--num-layers", int),
                        ("--num-layers-per-virtual-pipeline-stage", int),
                        ("--pipeline-model-parallel-layout", str),
@@ -140,7 +142,10 @@ def from_megatron(text: str, gpus: int) -> tuple[Shorthand, list[str]]:
     recompute = {"full": True, "selective": "attention"}.get(a.recompute_granularity or "",
                                                               False)
     return ({"pp": pp, "dp": dp, "tp": tp, "sp": a.sequence_parallel,
-             "ep": a.expert_model_parallel_size or 1, "cp": cp,
+             "ep": a.expert_model_parallel_size or 1,
+             # Megatron's default expert tensor parallelism is the tensor-parallel degree
+             "etp": a.expert_tensor_parallel_size or (tp if a.expert_model_parallel_size else 1),
+             "cp": cp,
              "cp_attention": "all_gather" if a.cp_comm_type == "all_gather" else "ring",
              "zero": zero, "schedule": schedule,
              "virtual_stages": v, "microbatches": microbatches, "recompute": recompute,

@@ -64,7 +64,7 @@ def torchtitan_config(lay: Layout) -> Exported:
         "data_parallel_replicate_degree": replicate, "data_parallel_shard_degree": shard,
         "fsdp_reshard_after_forward": reshard, "tensor_parallel_degree": lay.tp,
         "pipeline_parallel_degree": lay.pp, "context_parallel_degree": lay.cp,
-        "expert_parallel_degree": lay.ep}
+        "expert_parallel_degree": lay.ep, "expert_tensor_parallel_degree": lay.etp}
     if lay.cp > 1:  # torch's ring of K/V shards ("alltoall") or all of them gathered
         parallelism["context_parallel_rotate_method"] = (
             "alltoall" if lay.cp_attention == "ring" else "allgather")

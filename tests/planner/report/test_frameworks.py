@@ -251,3 +251,27 @@ def test_a_targeted_search_tries_only_what_the_framework_runs(target, tmp_path, 
             assert tp == 1 and not (pp > 1 and zero > 1)
             assert r["schedule"] in ("none", "1f1b")
     assert (out / f"best_{target}{SUFFIX[target]}").is_file(), "--target writes its config"
+
+
+def test_expert_degrees_are_exported_and_read_back(spec, titan_manager, tmp_path):
+    """ep and expert tensor parallelism as Megatron's --expert-model-parallel-size /
+    --expert-tensor-parallel-size and torchtitan's expert_(tensor_)parallel_degree."""
+    import dataclasses
+
+    lay = dataclasses.replace(_strategy("tp_sp_interleaved", spec), ep=2, etp=4)
+    args = shlex.split(TARGETS["megatron"](lay).text)
+    value = {a: b for a, b in itertools.pairwise(args) if a.startswith("--")}
+    assert {"--expert-model-parallel-size", "--expert-tensor-parallel-size"} <= set(
+        MEGATRON["options"])
+    assert (value["--expert-model-parallel-size"], value["--expert-tensor-parallel-size"]) == (
+        "2", "4")
+    path = tmp_path / "job.toml"
+    path.write_text(TARGETS["torchtitan"](lay).text)
+    for got in (from_torchtitan(str(path), GPUS)[0],
+                from_megatron(TARGETS["megatron"](lay).text, GPUS)[0]):
+        assert (got["ep"], got["etp"]) == (2, 4)
+    if titan_manager is not None:
+        par = titan_manager().parse_args(["--job.config_file", str(path)]).parallelism
+        assert (par.expert_parallel_degree, par.expert_tensor_parallel_degree) == (2, 4)
+    whole = dataclasses.replace(lay, etp=1)  # experts whole on each TP rank: said
+    assert any("expert mesh" in n for n in TARGETS["megatron"](whole).notes)

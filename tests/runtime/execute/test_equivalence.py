@@ -96,8 +96,10 @@ CASES = {
                                   "--schedule", "dualpipev", "--microbatches", "4"],
     # both at once: TP splits attention inside each replica, EP splits the experts over
     # replicas of equal TP index (each TP rank runs its replica's experts whole)
-    "moe_tp2_ep2_dp2_zero3": ["--gpus", "4", "--tp", "2", "--dp", "2", "--ep", "2",
-                              "--zero", "3", "--microbatches", "2"],
+    # ... or, with expert tensor parallelism, half of each expert's hidden features (the
+    # experts' rows summed over the TP group as a row-parallel layer's are)
+    "moe_tp2_ep2_etp2_dp2_zero3": ["--gpus", "4", "--tp", "2", "--dp", "2", "--ep", "2",
+                                   "--etp", "2", "--zero", "3", "--microbatches", "2"],
     "moe_tp2_ep2_pp2_dp2_zero2_dualpipev": ["--gpus", "8", "--tp", "2", "--pp", "2", "--dp",
                                             "2", "--ep", "2", "--zero", "2", "--schedule",
                                             "dualpipev", "--microbatches", "4"],

@@ -46,6 +46,10 @@ EXPERTS = {
     "ep2_pp2_dualpipev": ["--gpus", "4", "--pp", "2", "--dp", "2", "--ep", "2", "--schedule",
                           "dualpipev", "--microbatches", "4"],
     "ep2_tp2": ["--gpus", "4", "--tp", "2", "--dp", "2", "--ep", "2", "--microbatches", "2"],
+    # expert tensor parallelism: each TP rank holds half of every expert's hidden features;
+    # with sequence parallelism the ranks' tokens are gathered in and reduce-scattered out
+    "ep2_etp2_tp2_sp": ["--gpus", "4", "--tp", "2", "--sp", "--dp", "2", "--ep", "2", "--etp",
+                        "2", "--microbatches", "2"],
     "ep2_bf16_mixed": ["--gpus", "2", "--dp", "2", "--ep", "2", "--precision", "bf16-mixed"],
 }
 # tensor parallelism from the config's own base_model_tp_plan: GPT-2 declares none; the
@@ -54,8 +58,8 @@ CASES = [(f, s) for f in sorted(FAMILIES) for s in STRATEGIES
          if not (s == "tp2" and f == "gpt2")
          and not (f == "mixtral" and s in ("interleaved", "dp2_zero1"))] + [
     ("qwen3", s) for s in MORE] + [("llama", "tp2_sp"), ("llama", "cp2_dp2")] + [
-    ("mixtral", s) for s in EXPERTS if s != "ep2_bf16_mixed"] + [
-    ("qwen3_moe", "ep2_pp2_dualpipev"), ("qwen3_moe", "ep2_tp2"),
+    ("mixtral", s) for s in EXPERTS if s not in ("ep2_bf16_mixed", "ep2_etp2_tp2_sp")] + [
+    ("qwen3_moe", "ep2_pp2_dualpipev"), ("qwen3_moe", "ep2_etp2_tp2_sp"),
     ("olmoe", "ep2_dp2_zero2"), ("qwen3_moe", "ep2_bf16_mixed")]
 MORE["tp2_sp"] = ["--gpus", "2", "--tp", "2", "--sp", "--microbatches", "2"]
 STRATEGIES.update(MORE)

@@ -62,3 +62,27 @@ def test_replicated_tensors_are_not_tp_split():
     s = _slicing(1, "rowwise")
     assert s.tp_split("fc.weight") and not s.tp_split("fc.bias")
     assert [(p.local, p.sizes, p.full) for p in s.pieces("fc.bias")] == [((0,), (12,), (0,))]
+
+
+def test_expert_tensor_parallel_pieces_tile_stacked_experts_once():
+    """A gated [gate; up] expert weight [E, 2I, d] under ep=2 x etp=2: each rank's pieces
+    (its experts, 1/etp of each half of the hidden features) are what `shard_experts` keeps,
+    and the four ranks cover the model tensor exactly once."""
+    from piper.moe import hidden_slice
+
+    full = torch.arange(4 * 8 * 3.0).view(4, 8, 3)
+    sh = ModelSharding(tp=2, ep=2, etp=2, experts=("m.experts",),
+                       expert_cuts=(("m.experts.gate_up_proj", 1, 2),))
+    seen = torch.zeros_like(full)
+    for ep_rank in range(2):
+        for tp_rank in range(2):
+            s = Slicing(sh, ["", "m", "m.experts"], {"m.experts.gate_up_proj": (4, 8, 3)},
+                        tp_rank, ep_rank)
+            assert s.tp_split("m.experts.gate_up_proj")
+            local = hidden_slice(full.chunk(2, dim=0)[ep_rank], 1, 2, 2, tp_rank)
+            assert s.local_shape("m.experts.gate_up_proj") == tuple(local.shape) == (2, 4, 3)
+            for b in s.boxes("m.experts.gate_up_proj", 0, local.numel(), 0, owner=True):
+                at = tuple(slice(o, o + n) for o, n in zip(b.offsets, b.sizes))
+                assert torch.equal(b.view(local.reshape(-1)), full[at])
+                seen[at] += 1
+    assert torch.equal(seen, torch.ones_like(full))

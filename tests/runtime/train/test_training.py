@@ -84,8 +84,10 @@ RESUMES = {
         ["--gpus", "4", "--cp", "2", "--dp", "2", "--zero", "3", "--microbatches", "2"],
         ["--gpus", "2", "--tp", "2", "--sp", "--microbatches", "2"],
         [str(ROOT / "examples" / "llama.py"), *TINY]),
-    "moe_ep2_dp2_zero2_to_pp2_dualpipev": (
-        ["--gpus", "2", "--dp", "2", "--ep", "2", "--zero", "2"],
+    # experts cut by EP and expert tensor parallelism, resumed whole on each rank
+    "moe_tp2_ep2_etp2_dp2_zero2_to_pp2_dualpipev": (
+        ["--gpus", "4", "--tp", "2", "--dp", "2", "--ep", "2", "--etp", "2", "--zero", "2",
+         "--microbatches", "2"],
         ["--gpus", "2", "--pp", "2", "--schedule", "dualpipev", "--microbatches", "4"],
         [MOE, *TINY]),
 }

@@ -101,6 +101,8 @@ class Run:
     Llama 3's: all-gather)."""
     ep: int = 1
     """Expert-parallel degree: each group of ep data-parallel replicas splits the experts."""
+    ep_over_tp: bool = False
+    """The EP groups span the tensor-parallel ranks too (Megatron's expert mesh)."""
     moe: bool = False
     """A mixture-of-experts model: its error is reported apart (`accuracy.json`'s
     "<cluster> moe" figures, which `search` prints for models with experts)."""
@@ -347,18 +349,18 @@ def bridge_moe() -> list[Run]:
     seq = 4096
     for model, container, gpus, gbs, mbs, tp, pp, vp, ep, tps in rows:
         dp = gpus // (tp * pp)
-        approx = "FP8 GEMMs simulated in bf16"
-        if ep > dp:  # Megatron's expert mesh spans tp x dp; ours splits experts over dp
-            # (with sequence parallelism each tp rank routes its own tokens, as there)
-            approx += (f"; EP{ep} over tp{tp} x dp{dp} simulated as EP{dp} (experts "
-                       f"replicated over tp)")
+        # Megatron's expert mesh: with expert tensor parallelism 1 (Megatron-Bridge's MoE
+        # recipes) the EP groups span the tensor-parallel ranks
+        over = tp > 1
         out.append(Run("bridge-moe", f"{model} {container} tp{tp} pp{pp} vp{vp} ep{ep} "
                        f"mbs{mbs} ({gpus} GPUs)", str(HF_CONFIGS / f"{model}.json"),
                        (), "h100-80gb", gpus, tp, pp, dp, mbs, gbs,
                        gbs * seq / (gpus * tps), schedule="interleaved-1f1b", v=vp,
-                       ep=min(ep, dp), moe=True, approx=approx, sp=tp > 1,
-                       assumed="no recompute (not stated); sequence parallelism with tp "
-                               "(Megatron requires it for MoE with tp)"))
+                       ep=ep, ep_over_tp=over, moe=True, approx="FP8 GEMMs simulated in bf16",
+                       sp=tp > 1,
+                       assumed="no recompute (not stated); expert tensor parallelism 1; "
+                               "sequence parallelism with tp (Megatron requires it for MoE "
+                               "with tp)"))
     return out
 
 
@@ -413,7 +415,8 @@ def simulate(run: Run, evaluators: Evaluators,
     t = time.perf_counter()
     ev = evaluators.get(run, adjust)
     args = argparse.Namespace(
-        pp=run.pp, dp=run.dp, tp=run.tp, ep=run.ep, zero=run.zero, schedule=run.schedule,
+        pp=run.pp, dp=run.dp, tp=run.tp, ep=run.ep, ep_over_tp=run.ep_over_tp,
+        zero=run.zero, schedule=run.schedule,
         virtual_stages=run.v if run.v > 1 else None, microbatches=run.microbatches,
         recompute=run.recompute, bucket_mb=run.unit_mb,
         comm_stream=run.dp * run.cp > 1 and run.zero < 3 and run.dp_overlap,

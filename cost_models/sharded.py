@@ -206,7 +206,7 @@ def with_in_graph_comm(tc: TaskCosts, plan: Plan, traffic: InGraphComm, cluster:
     `expert_skew` (`with_expert_skew`): the busiest rank receives that many times the mean
     rows, and every rank waits for it."""
     mesh = plan.mesh
-    tp_group, ep_group = mesh.tp_group(0), mesh.lift(mesh.ep_group(0), 0)
+    tp_group, ep_group = mesh.tp_group(0), mesh.ep_processes(0, 0)
     scale = microbatch_size / plan.model.batch
     index = {r: i for i, r in enumerate(plan.model.names)}
 

@@ -197,7 +197,9 @@ sp_scatter.register_autograd(
 # split at the first layer and gathered whole again before the final norm)
 def _own_sequence(x: torch.Tensor, key: int, degree: int) -> torch.Tensor:
     index = dist.get_rank(bound_group(key))
-    return x.chunk(degree, dim=1)[index].contiguous()
+    # a copy, never a view: with one sequence (dim 0 of size 1) the chunk is contiguous
+    # already, and a custom op may not return an alias of its input
+    return x.chunk(degree, dim=1)[index].clone(memory_format=torch.contiguous_format)
 
 
 @torch.library.custom_op("piper::sp_split", mutates_args=())

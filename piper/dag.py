@@ -326,9 +326,11 @@ def verify(dag: TrainingDAG) -> None:
             if len(recvs) != 1 or dag.rank_of(recvs[0]) == dag.rank_of(n):
                 problems.append(f"{n!r} must feed exactly one RECV on another rank")
     sh = dag.sharding
-    if dag.dp % sh.ep:
-        problems.append(f"expert parallelism ep={sh.ep} splits data-parallel replicas, so "
-                        f"it needs Replicate with a degree divisible by {sh.ep} (dp={dag.dp})")
+    if dag.dp % sh.ep_replicas:
+        over = f" over tp={sh.tp}" if sh.ep_tp else ""
+        problems.append(f"expert parallelism ep={sh.ep}{over} splits data-parallel replicas, "
+                        f"so it needs Replicate with a degree divisible by {sh.ep_replicas} "
+                        f"(dp={dag.dp})")
     updates = [n for n in g.nodes if n.kind is Kind.UPDATE]
     want = len(dag.stages) * len(dag.replicas)
     if len(updates) != want:

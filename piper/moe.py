@@ -49,7 +49,9 @@ from piper.collectives import (
     TP_GROUP,
     bound_group,
     sp_gather,
+    sp_gather_whole,
     sp_scatter,
+    sp_split,
     tp_copy,
     tp_reduce,
     wire_dtype,
@@ -126,9 +128,16 @@ def routed_forward(module: nn.Module, x: torch.Tensor, idx: torch.Tensor,
     features, so its rows come out as partial sums: the tokens enter as a column-parallel
     layer's input does (f; with sequence parallelism, each rank's share gathered) and
     leave as a row-parallel layer's output (g; with sequence parallelism, reduce-scattered
-    back to each rank's share)."""
+    back to each rank's share). When the EP group spans the TP ranks (`piper_ep_tp`), which
+    then hold different experts, each TP rank routes its own tokens: with sequence
+    parallelism it has them already; without, it takes its 1/tp of them and the outputs
+    are gathered whole again."""
     ffn: ExpertFFN = module.piper_ffn  # type: ignore[assignment]
     etp, sp = int(getattr(module, "piper_etp", 1)), bool(getattr(module, "piper_sp", False))
+    spans = int(getattr(module, "piper_ep_tp", 1))
+    if spans > 1 and not sp:  # TP ranks hold the same tokens: each routes its share
+        x, idx, gate = (sp_split(t.unsqueeze(0), TP_GROUP, spans).squeeze(0)
+                        for t in (x, idx, gate))
     if etp > 1 and sp:
         x, idx, gate = (sp_gather(t.unsqueeze(0), TP_GROUP, etp).squeeze(0)
                         for t in (x, idx, gate))
@@ -142,6 +151,8 @@ def routed_forward(module: nn.Module, x: torch.Tensor, idx: torch.Tensor,
         out = routed_experts_op(x, idx, gate, weights, experts, ep, key)
     else:
         out = routed_experts(x, idx, gate, weights, experts, ep, ffn)
+    if spans > 1 and not sp:
+        return sp_gather_whole(out.unsqueeze(0), TP_GROUP, spans).squeeze(0)
     if etp > 1 and sp:
         return sp_scatter(out.unsqueeze(0), TP_GROUP, etp).squeeze(0)
     return tp_reduce(out, TP_GROUP) if etp > 1 else out
@@ -393,12 +404,18 @@ def expert_params(names: Iterable[str], params: Iterable[str]) -> set[str]:
 
 
 def shard_experts(model: nn.Module, names: tuple[str, ...], degree: int, rank: int,
-                  etp: int = 1, tp_rank: int = 0, sequence_parallel: bool = False) -> None:
+                  etp: int = 1, tp_rank: int = 0, sequence_parallel: bool = False,
+                  spans_tp: int = 1) -> None:
     """Keep rank `rank`'s E/degree experts of each named experts module, in place, and with
     expert tensor parallelism (`etp` > 1) TP rank `tp_rank`'s 1/etp of their hidden
-    features (Megatron's expert tensor parallelism: up split by outputs, down by inputs)."""
+    features (Megatron's expert tensor parallelism: up split by outputs, down by inputs).
+    `spans_tp` > 1: the EP group spans that many TP ranks, which hold different experts
+    (Megatron's expert mesh)."""
     if degree == 1 and etp == 1:
         return
+    if spans_tp > 1 and etp > 1:
+        raise ValueError("an EP group over the tensor-parallel ranks holds experts whole: "
+                         "expert tensor parallelism must be 1")
     modules = expert_modules(model)
     for name in names:
         m = modules[name]
@@ -417,9 +434,9 @@ def shard_experts(model: nn.Module, names: tuple[str, ...], degree: int, rank: i
                     w = hidden_slice(w, *cuts[p], etp, tp_rank, f"{name}.{p}")
                 setattr(m, p, nn.Parameter(w.clone()))
         m.piper_ep = degree
-        if etp > 1:
-            m.piper_etp, m.piper_sp = etp, sequence_parallel
-            m.tp_split = True  # its parameters are TP shards: not replicated over TP
+        if etp > 1 or spans_tp > 1:
+            m.piper_etp, m.piper_sp, m.piper_ep_tp = etp, sequence_parallel, spans_tp
+            m.tp_split = True  # its parameters differ per TP rank: not replicated over TP
 
 
 def expert_cuts(ffn: ExpertFFN) -> tuple[tuple[str, tuple[int, int]], ...]:

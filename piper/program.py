@@ -97,6 +97,8 @@ class Program:
             "ep": next((d.degree for d in self.directives if isinstance(d, Shard)), 1),
             # expert tensor parallelism: 1 or tp
             "etp": next((d.tensor for d in self.directives if isinstance(d, Shard)), 1),
+            # Megatron's expert mesh: EP groups spread over the tensor-parallel ranks too
+            "ep_over_tp": any(isinstance(d, Shard) and d.over_tp for d in self.directives),
             "cp": next((d.degree for d in self.directives if isinstance(d, ShardSequence)), 1),
             "zero": rep[0].zero if rep else 0,
             "schedule": self.name,

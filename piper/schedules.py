@@ -285,9 +285,10 @@ def build(schedule: str, stages: Sequence[Sequence[str]], *, microbatches: int,
 
 def shard(program: Program, *, tp: int = 1, ep: int = 1,
           expert_regions: Sequence[str] = (), sp: bool = False, cp: int = 1,
-          cp_attention: str = "ring", etp: int = 1) -> Program:
+          cp_attention: str = "ring", etp: int = 1, ep_over_tp: bool = False) -> Program:
     """`program` with tensor (ShardTensor, with `sp` sequence parallel), expert (Shard, with
-    `etp` expert tensor parallelism) and context (ShardSequence) parallelism added, in the
+    `etp` expert tensor parallelism, `ep_over_tp` its groups over the TP ranks too) and
+    context (ShardSequence) parallelism added, in the
     phase they belong to (after Replicate, before Order). Context parallelism sums
     gradients with the replicas' collectives, so a program without Replicate gets
     Replicate(1)."""
@@ -297,7 +298,7 @@ def shard(program: Program, *, tp: int = 1, ep: int = 1,
     if tp > 1:
         extra.append(ShardTensor(tp, sequence_parallel=sp))
     if ep > 1 or etp > 1:
-        extra.append(Shard(tuple(expert_regions), degree=ep, tensor=etp))
+        extra.append(Shard(tuple(expert_regions), degree=ep, tensor=etp, over_tp=ep_over_tp))
     if cp > 1:
         extra.append(ShardSequence(cp, attention=cp_attention))
     return _insert(program, extra)

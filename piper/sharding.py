@@ -35,6 +35,20 @@ class ModelSharding:
     expert_cuts: tuple[tuple[str, int, int], ...] = ()
     """With etp > 1: (parameter, hidden dimension, halves) of every expert weight it cuts,
     so checkpoints know each rank's piece without the module."""
+    ep_tp: bool = False
+    """Megatron's expert mesh: each EP group spans the tensor-parallel ranks of its replicas
+    too (ep = replicas x tp), so each TP rank holds other experts and routes its own share
+    of the tokens (`piper.moe.routed_forward`)."""
+
+    @property
+    def ep_replicas(self) -> int:
+        """Data-parallel replicas one EP group spans."""
+        return self.ep // self.tp if self.ep_tp else self.ep
+
+    def ep_rank(self, replica: int, tp_rank: int) -> int:
+        """Which 1/ep of the experts the process of `replica` and `tp_rank` holds."""
+        r = replica % self.ep_replicas
+        return r * self.tp + tp_rank if self.ep_tp else r
 
     @property
     def trivial(self) -> bool:
@@ -42,12 +56,13 @@ class ModelSharding:
 
     def describe(self) -> str:
         cp = f" cp={self.cp} {self.cp_mode}" if self.cp > 1 else ""
-        etp = f" etp={self.etp}" if self.etp > 1 else ""
+        etp = (f" etp={self.etp}" if self.etp > 1 else "") + (" over tp" if self.ep_tp else "")
         return f"tp={self.tp}{' sp' if self.sp else ''} ep={self.ep}{etp}{cp}"
 
     def apply(self, model: nn.Module, tp_rank: int, ep_rank: int) -> nn.Module:
         # experts first: once cut by expert tensor parallelism they are TP shards, which
         # sequence parallelism must not treat as replicated
-        shard_experts(model, self.experts, self.ep, ep_rank, self.etp, tp_rank, self.sp)
+        shard_experts(model, self.experts, self.ep, ep_rank, self.etp, tp_rank, self.sp,
+                      spans_tp=self.tp if self.ep_tp else 1)
         shard_linears(model, self.tp_plan, self.tp, tp_rank, self.sp)
         return model

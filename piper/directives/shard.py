@@ -16,7 +16,8 @@ class Shard(Directive):
 
     Requires: once, before Order; the regions hold routed experts modules (`piper.Experts`,
     a Hugging Face model's experts: `piper.hf_experts`) whose expert count
-    `degree` divides; the data-parallel degree (Replicate) a multiple of `degree`.
+    `degree` divides; the data-parallel degree (Replicate) a multiple of `degree` (of
+    degree/tp with `over_tp`).
     Rewrites: no node changes. Every group of `degree` consecutive replicas of a device
     shares one set of experts, E/degree each: inside the chunk an all-to-all sends each
     token to the rank holding its expert and another brings the result back. Expert
@@ -31,6 +32,10 @@ class Shard(Directive):
     """Expert tensor parallelism (Megatron's): 1, each tensor-parallel rank holds its
     experts whole; or the ShardTensor degree before this directive, each holds 1/tensor of
     every expert's hidden features and the experts' rows are summed over the TP group."""
+    over_tp: bool = False
+    """Megatron's expert mesh: each group of `degree` ranks spans degree/tp replicas and
+    all their tensor-parallel ranks (ShardTensor before this directive), which hold
+    different experts and route their own tokens; with tensor=1."""
     phase = 3
 
     def __post_init__(self) -> None:
@@ -65,8 +70,14 @@ class Shard(Directive):
                                          f"divisible by ep={self.degree}")
                 names += [module] if module not in names else []
         cuts = self._cuts(dag, index, names)
+        if self.over_tp:
+            tp = dag.sharding.tp
+            if tp == 1 or self.degree % tp or self.tensor != 1:
+                raise DirectiveError(index, self, f"over_tp spreads the experts over the "
+                                     f"tensor-parallel ranks too: it needs ShardTensor before "
+                                     f"it, a degree divisible by tp={tp} and tensor=1")
         sharding = replace(dag.sharding, ep=self.degree, experts=tuple(names),
-                           etp=self.tensor, expert_cuts=cuts)
+                           etp=self.tensor, expert_cuts=cuts, ep_tp=self.over_tp)
         return dag.with_graph(dag.graph, sharding=sharding)
 
     def _cuts(self, dag: TrainingDAG, index: int, names: list[str]

@@ -81,7 +81,7 @@ def with_gpus_per_node(cluster: Any, per_node: int | None) -> Any:
     return dataclasses.replace(cluster, gpus_per_node=per_node)
 
 
-SHORTHAND = ("pp", "dp", "tp", "ep", "etp", "cp", "schedule", "microbatches", "recompute",
+SHORTHAND = ("pp", "dp", "tp", "ep", "etp", "ep_over_tp", "cp", "schedule", "microbatches", "recompute",
              "comm_stream", "bucket_mb", "sp", "zero", "virtual_stages")
 
 

@@ -222,8 +222,10 @@ class Evaluator:
         last = self._last_plan
         if last is None or last[0] != key:
             s = program.summary()
-            kept = representative_replicas(Mesh(s["pp"], s["dp"], s["tp"], s["ep"], s["cp"]),
-                                           self.cluster)
+            over = bool(s.get("ep_over_tp"))
+            mesh = Mesh(s["pp"], s["dp"], s["tp"], s["ep"] // s["tp"] if over else s["ep"],
+                        s["cp"], over)
+            kept = representative_replicas(mesh, self.cluster)
             dag = dataclasses.replace(self.dag, kept=kept)
             # no separate deadlock dry run: the simulator's timeline is one, and raises the same
             last = self._last_plan = (key, schedule(apply_for(key, dag, self.gpus),

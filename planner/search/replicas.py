@@ -50,7 +50,8 @@ def _signature(mesh: Mesh, cluster: ClusterSpec, replica: int) -> tuple:
         L = d * mesh.dp + replica
         here = node(L)
         tp_span = node(L, mesh.inner - 1) - here  # its context- and tensor-parallel ranks
-        ep = tuple(node(g) - here for g in mesh.ep_group(L)) if mesh.ep > 1 else ()
+        ep = tuple(cluster.node_of(p) - here for p in mesh.ep_processes(L, 0)
+                   ) if mesh.ep_size > 1 else ()
         out.append((here - first, tp_span, ep))
     return tuple(out)
 

@@ -35,8 +35,13 @@ def degrees(args: argparse.Namespace, gpus: int) -> tuple[int, int, int, int]:
         cps = f" x cp={cp}" if cp > 1 else ""
         raise PiperError(f"pp={args.pp} x dp={args.dp}{cps} x tp={tp} does not make --gpus "
                          f"{gpus}")
-    if dp % ep:
-        raise PiperError(f"--ep {ep} must divide the data-parallel degree dp={dp}: expert "
+    over = bool(getattr(args, "ep_over_tp", False))
+    if over and (tp == 1 or ep % tp):
+        raise PiperError(f"--ep-over-tp spreads the experts over the tensor-parallel ranks "
+                         f"too: it needs --tp > 1 and --ep {ep} divisible by it")
+    if dp % (ep // tp if over else ep):
+        span = f"--ep {ep} / --tp {tp}" if over else f"--ep {ep}"
+        raise PiperError(f"{span} must divide the data-parallel degree dp={dp}: expert "
                          "parallelism splits the experts over data-parallel replicas")
     return pp, dp, tp, ep
 
@@ -86,7 +91,7 @@ def shorthand_program(args: argparse.Namespace, gpus: int, regions: tuple[str, .
         raise PiperError(f"--etp {etp}: the model has no routed experts to split")
     prog = schedules.shard(prog, tp=tp, ep=ep, expert_regions=expert_regions, sp=sp, cp=cp,
                            cp_attention=getattr(args, "cp_attention", None) or "ring",
-                           etp=etp)
+                           etp=etp, ep_over_tp=bool(getattr(args, "ep_over_tp", False)))
     bucket = getattr(args, "bucket_mb", None)
     if bucket is not None:
         if not bucket > 0:
@@ -114,6 +119,9 @@ def add_shorthand_flags(p: argparse.ArgumentParser) -> None:
                    "tensor-parallel rank holds its experts whole) or --tp (each holds 1/tp "
                    "of every expert's hidden features, as Megatron's "
                    "--expert-tensor-parallel-size)")
+    g.add_argument("--ep-over-tp", action="store_true", default=False,
+                   help="Megatron's expert mesh: each EP group of --ep ranks spans --ep/--tp "
+                   "replicas and their tensor-parallel ranks, which hold different experts")
     g.add_argument("--cp", type=int, help="context-parallel degree: each rank keeps 1/cp "
                    "of every sequence (two chunks, one from each end) and attention "
                    "exchanges keys and values")

@@ -96,8 +96,8 @@ class Worker:
                 bind_group(TP_GROUP, group(mesh.tp_group(logical, i)), lane)
             if mesh.cp > 1:
                 bind_group(CP_GROUP, group(mesh.cp_group(logical, i)), lane)
-            if mesh.ep > 1:
-                bind_group(EP_GROUP, group(mesh.lift(mesh.ep_group(logical), i)), lane)
+            if mesh.ep_size > 1:
+                bind_group(EP_GROUP, group(mesh.ep_processes(logical, i)), lane)
         spec = load_model(*self.model)
         mb = batch_size // (plan.dp * plan.microbatches)
         sharding = None if plan.sharding.trivial else plan.sharding

@@ -165,7 +165,7 @@ class RankExecutor(ChunkMath, Checkpointing):
             if key not in self.sharded:
                 self.names[key] = [canon[id(p)] for p in ps]
         self.slicing = Slicing(sh, *full_model_names(spec), self.tp_rank,
-                               self.rp.replica % sh.ep)
+                               sh.ep_rank(self.rp.replica, self.tp_rank))
         self.held = holdings(self.optim, self.names, self.params, self.sharded, self.slicing,
                              self._owner)
         self.buffers = {n: b for n, b in model.named_buffers()

@@ -39,7 +39,7 @@ class Checkpointing:
         if key in self.sharded:
             return True
         if isinstance(key, tuple) and key[0] == "experts":
-            return self.rp.replica < self.plan.sharding.ep
+            return self.rp.replica < self.plan.sharding.ep_replicas
         if isinstance(key, tuple) and key[0] == "tied" and name not in self.tie_owner:
             return False
         return self.rp.replica == 0 and self.cp_rank == 0  # context-parallel copies alike

@@ -23,11 +23,11 @@ def rank_model(spec: ModelSpec, graph: ModelGraph, plan: Plan, rp: RankPlan, tp_
     model is built, as single-device training builds it, and the rest released later."""
     sh = plan.sharding
     if spec.weights:
-        return load_rank_model(spec, device, sh, tp_rank, rp.replica % sh.ep,
+        return load_rank_model(spec, device, sh, tp_rank, sh.ep_rank(rp.replica, tp_rank),
                                own_params(graph, plan, rp))
     torch.manual_seed(seed)
     model = spec.build().to(device)
-    return sh.apply(model, tp_rank, rp.replica % sh.ep)
+    return sh.apply(model, tp_rank, sh.ep_rank(rp.replica, tp_rank))
 
 
 def full_model_names(spec: ModelSpec) -> tuple[list[str], dict[str, tuple[int, ...]]]:

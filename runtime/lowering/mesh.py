@@ -23,7 +23,25 @@ class Mesh:
     dp: int
     tp: int = 1
     ep: int = 1
+    """Data-parallel replicas an EP group spans."""
     cp: int = 1
+    ep_tp: bool = False
+    """An EP group also spans the tensor-parallel ranks of its replicas (Megatron's expert
+    mesh; `ModelSharding.ep_tp`)."""
+
+    @property
+    def ep_size(self) -> int:
+        """Processes one EP group spans."""
+        return self.ep * (self.tp if self.ep_tp else 1)
+
+    def ep_processes(self, logical: int, i: int) -> Group:
+        """The processes exchanging tokens with logical rank `logical`'s process of inner
+        index `i`, in the order of the experts they hold (`ModelSharding.ep_rank`)."""
+        if not self.ep_tp:
+            return self.lift(self.ep_group(logical), i)
+        c = i // self.tp
+        return tuple(self.physical(g, c * self.tp + t) for g in self.ep_group(logical)
+                     for t in range(self.tp))
 
     @property
     def inner(self) -> int:
@@ -81,7 +99,7 @@ class Mesh:
         out: set[Group] = {self.dp_lift(g, t) for g in logical_groups for t in range(self.tp)}
         out.update(self.in_graph_groups())
         for L in range(self.pp * self.dp):
-            if self.ep > 1 and self.dp > self.ep:
+            if self.ep_size > 1 and self.dp > self.ep:
                 out.update(self.lift(self.expert_dp_group(L), i) for i in range(self.inner))
         return sorted(out)
 
@@ -96,6 +114,6 @@ class Mesh:
                     out.add(self.tp_group(L, i))
                 if self.cp > 1:
                     out.add(self.cp_group(L, i))
-                if self.ep > 1:
-                    out.add(self.lift(self.ep_group(L), i))
+                if self.ep_size > 1:
+                    out.add(self.ep_processes(L, i))
         return sorted(out)

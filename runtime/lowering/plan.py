@@ -88,7 +88,8 @@ class Plan:
 
     @property
     def mesh(self) -> Mesh:
-        return Mesh(self.pp, self.dp, self.sharding.tp, self.sharding.ep, self.sharding.cp)
+        sh = self.sharding
+        return Mesh(self.pp, self.dp, sh.tp, sh.ep_replicas, sh.cp, sh.ep_tp)
 
     @property
     def shard_ways(self) -> int:

@@ -68,7 +68,7 @@ class Slicing:
 
     def tp_split(self, name: str) -> bool:
         """Each tensor-parallel rank holds a different part (else rank 0's copy counts)."""
-        if name in self.cuts:
+        if name in self.cuts or (name in self.experts and self.sh.ep_tp):
             return True
         style = self.styles.get(name)
         return style is not None and style[0] != "sequence" and not (

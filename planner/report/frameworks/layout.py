@@ -34,6 +34,14 @@ class ModelShape:
     vocab: int = 0
     seq: int = 0
     tied: bool = False
+    experts: int = 0
+    """Routed experts per MoE layer (0: a dense model)."""
+    top_k: int = 0
+    moe_ffn: int = 0
+    """Each expert's hidden size."""
+    router_renorm: bool = True
+    """The top-k gate weights renormalised to sum to 1 (Mixtral; Qwen3-MoE's
+    norm_topk_prob); False: the softmax over all experts, kept as it is."""
 
     @property
     def layer_mib(self) -> float:
@@ -75,6 +83,7 @@ class Layout:
     cp: int = 1
     cp_attention: str = "ring"  # how context-parallel attention exchanges keys and values
     etp: int = 1  # expert tensor parallelism: 1 or tp
+    ep_over_tp: bool = False  # EP groups over the tensor-parallel ranks too (Megatron's mesh)
 
     @property
     def microbatch_size(self) -> int:
@@ -103,13 +112,27 @@ def layout(program: Program, summary: dict[str, Any], global_batch: int, gpus: i
         precision=precision, stage_layers=layers, stage_regions=regions,
         model=model_shape(spec) if spec is not None else ModelShape(),
         cp=summary.get("cp", 1), etp=summary.get("etp", 1),
+        ep_over_tp=bool(summary.get("ep_over_tp")),
         cp_attention=next((d.attention for d in program.directives
                            if isinstance(d, ShardSequence)), "ring"))
 
 
 _LAYER = re.compile(r"layer\.\d+")
 _FAMILIES = {"llama": "llama", "qwen3": "qwen3", "qwen2": "qwen3", "mistral": "llama",
-             "gpt2": "gpt"}
+             "gpt2": "gpt", "mixtral": "llama", "qwen3_moe": "qwen3"}
+"""Hugging Face model types -> the family whose layers a target builds (the MoE ones with
+their experts: `ModelShape.experts`)."""
+
+
+def _experts(config: Any) -> dict[str, Any]:
+    """A Hugging Face MoE config's routed experts in `ModelShape`'s terms (none: dense)."""
+    experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", 0)
+    if not experts or config.model_type not in _FAMILIES:
+        return {}
+    return {"experts": int(experts), "top_k": int(config.num_experts_per_tok),
+            "moe_ffn": int(getattr(config, "moe_intermediate_size", None)
+                           or config.intermediate_size),
+            "router_renorm": bool(getattr(config, "norm_topk_prob", True))}
 
 
 def model_shape(spec: ModelSpec) -> ModelShape:
@@ -125,7 +148,7 @@ def model_shape(spec: ModelSpec) -> ModelShape:
             kv_heads=getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
             ffn=getattr(config, "intermediate_size", 0) or 4 * config.hidden_size,
             vocab=config.vocab_size, seq=int(dict(spec.options).get("seq_len", 0)),
-            tied=bool(getattr(config, "tie_word_embeddings", False)))
+            tied=bool(getattr(config, "tie_word_embeddings", False)), **_experts(config))
     c = next((m.c for m in model.modules() if dataclasses.is_dataclass(getattr(m, "c", None))),
              None)
     if c is None or not hasattr(c, "dim"):

@@ -37,6 +37,12 @@ def megatron_args(lay: Layout) -> Exported:
                 args += ["--group-query-attention", "--num-query-groups", str(m.kv_heads)]
             if m.family == "qwen3":
                 args += ["--qk-layernorm"]
+        if m.experts:  # dropless, as piper-plan runs them: grouped GEMMs, all-to-all
+            args += ["--num-experts", str(m.experts), "--moe-router-topk", str(m.top_k),
+                     "--moe-ffn-hidden-size", str(m.moe_ffn), "--moe-grouped-gemm",
+                     "--moe-token-dispatcher-type", "alltoall"]
+            if not m.router_renorm:  # softmax over every expert, top-k kept as it is
+                args.append("--moe-router-pre-softmax")
         if not m.tied:
             args.append("--untie-embeddings-and-output-weights")
     args += ["--tensor-model-parallel-size", str(lay.tp),
@@ -47,7 +53,7 @@ def megatron_args(lay: Layout) -> Exported:
     if lay.ep > 1 or lay.etp > 1:
         args += ["--expert-model-parallel-size", str(lay.ep),
                  "--expert-tensor-parallel-size", str(lay.etp)]
-        if lay.etp == 1 and lay.tp > 1:
+        if lay.etp == 1 and lay.tp > 1 and not lay.ep_over_tp:
             notes.append("experts: with --expert-tensor-parallel-size 1 Megatron also spreads "
                          "the experts over the tensor-parallel ranks (its expert mesh, EP x "
                          "ETP x EDP = TP x DP); piper-plan holds them whole on each")

@@ -139,12 +139,15 @@ def from_megatron(text: str, gpus: int) -> tuple[Shorthand, list[str]]:
         schedule = "interleaved-1f1b"
         v = a.num_layers // (pp * a.num_layers_per_virtual_pipeline_stage)
     zero = 3 if a.use_torch_fsdp2 else 1 if a.use_distributed_optimizer else 0
+    etp = a.expert_tensor_parallel_size or (tp if a.expert_model_parallel_size else 1)
     recompute = {"full": True, "selective": "attention"}.get(a.recompute_granularity or "",
                                                               False)
     return ({"pp": pp, "dp": dp, "tp": tp, "sp": a.sequence_parallel,
              "ep": a.expert_model_parallel_size or 1,
              # Megatron's default expert tensor parallelism is the tensor-parallel degree
-             "etp": a.expert_tensor_parallel_size or (tp if a.expert_model_parallel_size else 1),
+             "etp": etp,
+             # its expert mesh: with ETP 1 the EP groups span the tensor-parallel ranks
+             "ep_over_tp": etp == 1 and tp > 1 and (a.expert_model_parallel_size or 1) > 1,
              "cp": cp,
              "cp_attention": "all_gather" if a.cp_comm_type == "all_gather" else "ring",
              "zero": zero, "schedule": schedule,

@@ -29,17 +29,22 @@ FLAVORS = {("llama3", 256, 6): "debugmodel", ("llama3", 4096, 32): "8B",
            ("qwen3", 2560, 36): "4B", ("qwen3", 4096, 36): "8B", ("qwen3", 5120, 40): "14B",
            ("qwen3", 5120, 64): "32B"}
 """(model, dim, layers) -> flavor, from torchtitan 0.2.2's models/*/__init__.py."""
+MOE_FLAVORS = {("qwen3", 2048, 48): "30B-A3B", ("qwen3", 4096, 94): "235B-A22B"}
+"""The same for its mixture-of-experts flavors (Qwen3-MoE)."""
 
 
 def torchtitan_config(lay: Layout) -> Exported:
     notes: list[str] = []
     name = MODELS.get(lay.model.family or "")
+    if lay.model.experts and name != "qwen3":  # Mixtral: torchtitan's llama3 has no experts
+        name = None
     if name is None:
         notes.append("model: torchtitan defines no model of this family (it has llama3, "
                      "qwen3, llama4, deepseek_v3): the model needs a port; llama3 written "
                      "as a placeholder")
         name = "llama3"
-    flavor = FLAVORS.get((name, lay.model.dim, lay.model.layers))
+    flavor = (MOE_FLAVORS if lay.model.experts else FLAVORS).get(
+        (name, lay.model.dim, lay.model.layers))
     if flavor is None:
         notes.append(f"model: no {name} flavor has dim {lay.model.dim} and "
                      f"{lay.model.layers} layers: add one to its model args (debugmodel "

@@ -275,3 +275,36 @@ def test_expert_degrees_are_exported_and_read_back(spec, titan_manager, tmp_path
         assert (par.expert_parallel_degree, par.expert_tensor_parallel_degree) == (2, 4)
     whole = dataclasses.replace(lay, etp=1)  # experts whole on each TP rank: said
     assert any("expert mesh" in n for n in TARGETS["megatron"](whole).notes)
+
+
+def test_hugging_face_moe_models_map_to_the_targets_moe_models(titan_manager, tmp_path):
+    """Qwen3-30B-A3B's published config: Megatron's MoE flags (experts, top-k, expert
+    hidden size, grouped GEMMs, all-to-all dispatch) and torchtitan's qwen3 30B-A3B
+    flavor; Mixtral: Megatron's GPTModel with experts, no torchtitan model (a port)."""
+    pytest.importorskip("transformers")
+    from piper.loading import load_model
+    from tests.hf_models import write_config
+
+    qwen = load_model(ROOT / "benchmarks" / "data" / "hf" / "qwen3_30b_a3b.json", (),
+                      (("seq_len", 4096),))
+    prog = schedules.shard(schedules.build("1f1b", _stages(2), microbatches=4, dp=8, pp=2),
+                           ep=8, expert_regions=("layer.*",))
+    lay = layout(prog, prog.summary(), 64, GPUS, qwen, "bf16-mixed")
+    args = shlex.split(TARGETS["megatron"](lay).text)
+    assert not set(a for a in args if a.startswith("--")) - set(MEGATRON["options"])
+    value = {a: b for a, b in itertools.pairwise(args) if a.startswith("--")}
+    assert (value["--num-experts"], value["--moe-router-topk"],
+            value["--moe-ffn-hidden-size"], value["--expert-model-parallel-size"]) == (
+        "128", "8", "768", "8")
+    assert "--moe-grouped-gemm" in args and "--qk-layernorm" in args
+    path = tmp_path / "job.toml"
+    out = TARGETS["torchtitan"](lay)
+    path.write_text(out.text)
+    if titan_manager is not None:
+        cfg = titan_manager().parse_args(["--job.config_file", str(path)])
+        assert (cfg.model.name, cfg.model.flavor) == ("qwen3", "30B-A3B")
+        assert cfg.parallelism.expert_parallel_degree == 8
+    mixtral = load_model(write_config(tmp_path / "mixtral", "mixtral"), (), (("seq_len", 16),))
+    lay = layout(prog, prog.summary(), 64, GPUS, mixtral, "bf16-mixed")
+    assert "--num-experts" in TARGETS["megatron"](lay).text
+    assert any("needs a port" in n for n in TARGETS["torchtitan"](lay).notes)

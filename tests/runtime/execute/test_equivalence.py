@@ -100,6 +100,10 @@ CASES = {
     # experts' rows summed over the TP group as a row-parallel layer's are)
     "moe_tp2_ep2_etp2_dp2_zero3": ["--gpus", "4", "--tp", "2", "--dp", "2", "--ep", "2",
                                    "--etp", "2", "--zero", "3", "--microbatches", "2"],
+    # ... or Megatron's expert mesh: EP over both replicas' TP ranks; without sequence
+    # parallelism each TP rank routes its half of the tokens and the outputs are gathered
+    "moe_tp2_ep4_over_tp_dp2_zero2": ["--gpus", "4", "--tp", "2", "--dp", "2", "--ep", "4",
+                                      "--ep-over-tp", "--zero", "2", "--microbatches", "2"],
     "moe_tp2_ep2_pp2_dp2_zero2_dualpipev": ["--gpus", "8", "--tp", "2", "--pp", "2", "--dp",
                                             "2", "--ep", "2", "--zero", "2", "--schedule",
                                             "dualpipev", "--microbatches", "4"],

@@ -51,6 +51,10 @@ EXPERTS = {
     "ep2_etp2_tp2_sp": ["--gpus", "4", "--tp", "2", "--sp", "--dp", "2", "--ep", "2", "--etp",
                         "2", "--microbatches", "2"],
     "ep2_bf16_mixed": ["--gpus", "2", "--dp", "2", "--ep", "2", "--precision", "bf16-mixed"],
+    # Megatron's expert mesh: 4 processes (2 replicas x tp 2) hold a quarter of the experts
+    # each; with sequence parallelism each TP rank routes its own tokens
+    "ep4_over_tp2_sp": ["--gpus", "4", "--tp", "2", "--sp", "--dp", "2", "--ep", "4",
+                        "--ep-over-tp", "--microbatches", "2"],
 }
 # tensor parallelism from the config's own base_model_tp_plan: GPT-2 declares none; the
 # MoE family's schedules without EP are the other families' (two of them run once)
@@ -58,7 +62,9 @@ CASES = [(f, s) for f in sorted(FAMILIES) for s in STRATEGIES
          if not (s == "tp2" and f == "gpt2")
          and not (f == "mixtral" and s in ("interleaved", "dp2_zero1"))] + [
     ("qwen3", s) for s in MORE] + [("llama", "tp2_sp"), ("llama", "cp2_dp2")] + [
-    ("mixtral", s) for s in EXPERTS if s not in ("ep2_bf16_mixed", "ep2_etp2_tp2_sp")] + [
+    ("mixtral", s) for s in EXPERTS
+    if s not in ("ep2_bf16_mixed", "ep2_etp2_tp2_sp", "ep4_over_tp2_sp")] + [
+    ("qwen3_moe", "ep4_over_tp2_sp"),
     ("qwen3_moe", "ep2_pp2_dualpipev"), ("qwen3_moe", "ep2_etp2_tp2_sp"),
     ("olmoe", "ep2_dp2_zero2"), ("qwen3_moe", "ep2_bf16_mixed")]
 MORE["tp2_sp"] = ["--gpus", "2", "--tp", "2", "--sp", "--microbatches", "2"]

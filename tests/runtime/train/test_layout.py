@@ -86,3 +86,16 @@ def test_expert_tensor_parallel_pieces_tile_stacked_experts_once():
                 assert torch.equal(b.view(local.reshape(-1)), full[at])
                 seen[at] += 1
     assert torch.equal(seen, torch.ones_like(full))
+
+
+def test_an_expert_mesh_gives_each_tensor_parallel_rank_its_own_experts():
+    sh = ModelSharding(tp=2, ep=4, ep_tp=True, experts=("m.experts",))
+    seen = torch.zeros(8)
+    for replica in range(2):
+        for t in range(2):
+            s = Slicing(sh, ["", "m", "m.experts"], {"m.experts.w1": (8, 3, 5)}, t,
+                        sh.ep_rank(replica, t))
+            assert s.tp_split("m.experts.w1"), "each TP rank's copy counts"
+            (p,) = s.pieces("m.experts.w1")
+            seen[p.full[0]:p.full[0] + p.sizes[0]] += 1
+    assert torch.equal(seen, torch.ones(8)), "the 8 experts, 2 per process, each once"

@@ -291,7 +291,7 @@ def test_hugging_face_moe_models_map_to_the_targets_moe_models(titan_manager, tm
                            ep=8, expert_regions=("layer.*",))
     lay = layout(prog, prog.summary(), 64, GPUS, qwen, "bf16-mixed")
     args = shlex.split(TARGETS["megatron"](lay).text)
-    assert not set(a for a in args if a.startswith("--")) - set(MEGATRON["options"])
+    assert not {a for a in args if a.startswith("--")} - set(MEGATRON["options"])
     value = {a: b for a, b in itertools.pairwise(args) if a.startswith("--")}
     assert (value["--num-experts"], value["--moe-router-topk"],
             value["--moe-ffn-hidden-size"], value["--expert-model-parallel-size"]) == (

@@ -87,6 +87,10 @@ class PipelineSpace(SearchSpace):
     point's `variants` (it changes memory and communication, never which points exist)."""
     sp_with_tp: bool = False
     """Every point with tp > 1 runs sequence parallelism (torchtitan's TP always does)."""
+    expert_count: int = 0
+    """The gcd of the experts modules' expert counts (0: no experts): points with tp > 1
+    and ep > 1 also run as Megatron's expert mesh (ep x tp over the TP ranks), one of
+    their `variants`, where the experts divide so."""
     expert_hidden: int = 0
     """The gcd of the experts' hidden sizes, when expert tensor parallelism can split every
     routed experts module (0: it cannot). Points with tp > 1 then also run with etp = tp,
@@ -221,9 +225,14 @@ class PipelineSpace(SearchSpace):
             out = [{**p, "sp": True} for p in out]
         elif True in self.sps and point.get("tp", 1) > 1 and not point.get("sp"):
             out += [{**p, "sp": True} for p in out]  # each, with sequence parallelism
-        tp = point.get("tp", 1)
+        tp, ep = point.get("tp", 1), point.get("ep", 1)
         if tp > 1 and point.get("etp", 1) == 1 and self.violation(**{**point, "etp": tp}) is None:
             out += [{**p, "etp": tp} for p in out]  # each, with expert tensor parallelism
+        mesh = {**point, "ep": ep * tp, "ep_over_tp": True}
+        if tp > 1 and ep > 1 and not point.get("ep_over_tp") and self.violation(**mesh) is None:
+            # each without etp, as Megatron's expert mesh: the EP groups over the TP ranks
+            out += [{**p, "ep": ep * tp, "ep_over_tp": True} for p in out
+                    if p.get("etp", 1) == 1]
         return out
 
     def check(self, **params: Any) -> None:
@@ -234,7 +243,7 @@ class PipelineSpace(SearchSpace):
     def violation(self, *, pp: int, microbatches: int, schedule: str, zero: int = 0,
                   tp: int = 1, ep: int = 1, recompute: bool | str = False,
                   comm_stream: bool = False, bucket_mb: float = 0, sp: bool = False,
-                  cp: int = 1, etp: int = 1) -> str | None:
+                  cp: int = 1, etp: int = 1, ep_over_tp: bool = False) -> str | None:
         """Why the point is not a valid strategy, or None; no Program is built (recompute
         runs with everything, so it adds no rule)."""
         m, sched = microbatches, schedule
@@ -251,7 +260,11 @@ class PipelineSpace(SearchSpace):
             return f"pp={pp} x tp={tp}{cps} does not divide {self.gpus} devices"
         dp = self.gpus // (pp * tp * cp)
         reducing = dp * cp  # the ranks whose gradients the replicas' collectives sum
-        if dp % ep:
+        if ep_over_tp and (tp == 1 or ep % tp or etp > 1
+                           or (self.expert_count and self.expert_count % ep)):
+            return (f"an expert mesh (ep={ep} over tp={tp}) needs ep divisible by tp, "
+                    "experts divisible by ep and etp=1")
+        if dp % (ep // tp if ep_over_tp else ep):
             return f"ep={ep} does not divide dp={dp}"
         if cp > 1 and ep > 1:
             return "context parallelism with expert parallelism is not supported"
@@ -292,7 +305,8 @@ class PipelineSpace(SearchSpace):
                                recompute=params.get("recompute", False))
         prog = schedules.shard(prog, tp=tp, ep=ep, expert_regions=self.expert_regions,
                                sp=bool(params.get("sp", False)), cp=cp,
-                               etp=params.get("etp", 1))
+                               etp=params.get("etp", 1),
+                               ep_over_tp=bool(params.get("ep_over_tp", False)))
         if params.get("bucket_mb"):
             prog = schedules.with_buckets(prog, params["bucket_mb"])
         return schedules.with_comm_stream(prog, zero) if params.get("comm_stream") else prog
@@ -346,7 +360,7 @@ def model_space(graph: ModelGraph, region_costs: tuple[float, ...], gpus: int,
             check_divisible(shapes[n], style, parts, t) is None
             for n, (style, parts) in targets.items())]
     eps = [1]
-    hidden = 0
+    hidden = counts = 0
     if graph.experts:
         counts = math.gcd(*(count for _, count, _ in graph.experts))
         eps += [e for e in divisors(counts) if 1 < e <= gpus]
@@ -355,4 +369,5 @@ def model_space(graph: ModelGraph, region_costs: tuple[float, ...], gpus: int,
             hidden = math.gcd(*(size // halves for _, _, halves, size in graph.expert_cuts))
     return PipelineSpace(graph.names, region_costs, gpus, batch_size, schedules=ALL_SCHEDULES,
                          zeros=(0, 1, 2, 3), tps=tuple(tps), eps=tuple(eps),
-                         expert_regions=graph.expert_regions, expert_hidden=hidden)
+                         expert_regions=graph.expert_regions, expert_hidden=hidden,
+                         expert_count=counts)

@@ -238,3 +238,19 @@ def test_params_of_is_the_inverse_of_sample() -> None:
         params = sp.params_of(p)
         assert set(params) == set(names)
         assert sp.sample(optuna.trial.FixedTrial(params)) == p
+
+
+def test_expert_tensor_parallelism_and_the_expert_mesh_are_variants_of_tp_points():
+    """On a model with experts (4 per layer, hidden 16) a tp=2 ep=2 point is also run with
+    each expert split over the TP group (etp=2) and as Megatron's expert mesh (ep=4 over the
+    TP ranks); each variant is a strategy the space accepts and builds."""
+    sp = space(8, 8, tps=(1, 2), eps=(1, 2), expert_regions=("layer.*",), expert_count=4,
+               expert_hidden=16)
+    point = {"pp": 1, "microbatches": 1, "schedule": sp.flat_schedule, "tp": 2, "ep": 2}
+    got = {(v.get("etp", 1), v["ep"], v.get("ep_over_tp", False)) for v in sp.variants(point)}
+    assert got == {(1, 2, False), (2, 2, False), (1, 4, True)}
+    mesh = next(v for v in sp.variants(point) if v.get("ep_over_tp"))
+    shard = next(d for d in sp.program(**mesh).directives if isinstance(d, piper.Shard))
+    assert (shard.degree, shard.over_tp, shard.tensor) == (4, True, 1)
+    no_cut = dataclasses.replace(sp, expert_hidden=0, expert_count=2)  # biases; 2 experts
+    assert {(v.get("etp", 1), v["ep"]) for v in no_cut.variants(point)} == {(1, 2)}

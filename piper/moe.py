@@ -93,11 +93,7 @@ class ExpertFFN:
         return int(up.shape[1]), int(down.shape[2])
 
 
-def _gelu_mlp(h: torch.Tensor) -> torch.Tensor:
-    return F.gelu(h)
-
-
-GELU_MLP = ExpertFFN(("w1", "w2"), _gelu_mlp)
+GELU_MLP = ExpertFFN(("w1", "w2"), F.gelu)
 
 
 class Experts(nn.Module):

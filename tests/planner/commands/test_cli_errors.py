@@ -187,6 +187,12 @@ BAD = {
                                         "--ep", "3", "--batch-size", "12"],
                                        ("Shard('experts.*', degree=3)",
                                         "has 4 experts, not divisible by ep=3")),
+    "expert skew below one": ([*SIM, "--gpus", "1", "--expert-skew", "0.5"],
+                              ("--expert-skew", ">= 1; got 0.5")),
+    "etp other than tp": (["simulate", MOE, *TINY, "--gpus", "4", "--tp", "2", "--dp", "2",
+                           "--ep", "2", "--etp", "4"], ("--etp 4", "or --tp (2)")),
+    "expert mesh over no tp": (["simulate", MOE, *TINY, "--gpus", "2", "--dp", "2", "--ep",
+                                "2", "--ep-over-tp"], ("--ep-over-tp", "needs --tp > 1")),
     # clusters and flags
     "unknown cluster": ([*SIM, "--gpus", "2", "--cluster", "tpu-v9"],
                         ("unknown cluster 'tpu-v9'", "known: ")),

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from piper.errors import PiperError
-from piper.hf_experts import adopt_experts, experts_notes
+from piper.hf_experts import adopt_experts, experts_notes, stored_as_of
 from piper.model_file import DEFAULT_BATCH_SIZE, ModelSpec, default_loss, default_optimizer
 
 DEFAULT_SEQ_LEN = 2048
@@ -97,7 +97,8 @@ def load_hf_model(path: str | Path, model_args: tuple[tuple[str, Any], ...] = ()
         make_optimizer=default_optimizer,
         batch_size=DEFAULT_BATCH_SIZE, tp_plan=tp_plan,
         options=(("seq_len", seq),), weights=str(folder) if weights else None,
-        notes=tuple(notes), index_attrs=("layer_idx",))
+        notes=tuple(notes), index_attrs=("layer_idx",),
+        stored_as=stored_as_of(config.model_type) if weights else None)
 
 
 def first_sentence(e: BaseException) -> str:

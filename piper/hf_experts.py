@@ -88,8 +88,9 @@ def adopt_experts(model: nn.Module) -> int:
 
 
 def _piper_experts_forward(self: nn.Module, hidden_states: torch.Tensor,
-                           top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
-                           *_: Any) -> torch.Tensor:
+                           top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+                           ) -> torch.Tensor:
+    """The experts interface's call, as transformers' own implementations take it."""
     return routed_forward(self, hidden_states, top_k_index, top_k_weights)
 
 
@@ -98,3 +99,55 @@ def _register() -> None:
 
     if IMPLEMENTATION not in ALL_EXPERTS_FUNCTIONS:
         ALL_EXPERTS_FUNCTIONS.register(IMPLEMENTATION, _piper_experts_forward)
+
+
+def stored_as_of(model_type: str) -> Any:
+    """`ModelSpec.stored_as` for a transformers model type: its checkpoints may name modules
+    as older versions did and keep each expert's FFN apart (Mixtral's
+    `block_sparse_moe.experts.3.w1.weight`), which transformers' own conversion mapping
+    renames and merges into the stacked parameters at load time (`MergeModulelist` stacks
+    the experts, `Concatenate` joins gate and up); here the same mapping says which stored
+    tensors make a parameter, so each rank reads only its own experts. None when
+    transformers has no mapping for the type."""
+    from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+
+    mapping = get_checkpoint_conversion_mapping(model_type) or []
+    renames = [(_plain(r.source_patterns[0]), _plain(r.target_patterns[0])) for r in mapping
+               if type(r).__name__ == "WeightRenaming"]
+    merges = []
+    for c in mapping:
+        ops = [type(o).__name__ for o in getattr(c, "operations", ())]
+        if type(c).__name__ != "WeightConverter" or not ops or ops[0] != "MergeModulelist":
+            continue
+        if set(ops) - {"MergeModulelist", "Concatenate"}:
+            continue  # a layout this reader does not take apart: stored as it is, or refused
+        cat = next((o.dim - 1 for o in c.operations if type(o).__name__ == "Concatenate"), 0)
+        target = c.target_patterns if isinstance(c.target_patterns, str) else c.target_patterns[0]
+        merges.append((target, [s.replace("*", "{e}") for s in c.source_patterns], cat))
+    if not merges and not renames:
+        return None
+
+    def stored(name: str, names: Any) -> str | tuple[tuple[str, ...], int] | None:
+        if name in names:
+            return None
+        for stored_as, loaded_as in renames:
+            if name.replace(loaded_as, stored_as) in names:
+                return name.replace(loaded_as, stored_as)
+        for target, sources, cat in merges:
+            if not name.endswith(target):
+                continue
+            prefix = name[:-len(target)]
+            for stored_as, loaded_as in [("", ""), *renames]:  # checkpoint -> model names
+                parts = tuple((prefix + s).replace(loaded_as, stored_as) if loaded_as
+                              else prefix + s for s in sources)
+                if all(p.format(e=0) in names for p in parts):
+                    return parts, cat
+        return None
+
+    return stored
+
+
+def _plain(pattern: str) -> str:
+    """A renaming pattern as the plain text it matches (transformers writes them as regular
+    expressions of literal module names)."""
+    return pattern.replace("\\.", ".").replace("^", "").replace("$", "")

@@ -62,6 +62,12 @@ class ModelSpec:
     """`train_batches(batch_size, seed)`: the model file's own data, global batches."""
     from_tokens: Callable[[torch.Tensor], Any] = field(repr=False, default=None)  # type: ignore
     """[B, T+1] token windows of `--data` -> (inputs, targets), as `example_batch` returns."""
+    stored_as: Callable[[str, Any], str | tuple[tuple[str, ...], int] | None] | None = field(
+        repr=False, default=None)
+    """`stored_as(parameter, stored_names)`: where a checkpoint keeps a parameter it does
+    not store under the parameter's own name (Hugging Face checkpoints of older layouts):
+    another name, or for stacked experts kept one tensor per expert, their sources (each a
+    template with `{e}` for the expert) and the per-expert dimension they join along."""
     index_attrs: tuple[str, ...] = ()
     """Attributes a repeated block keeps only as its position (transformers' `layer_idx`
     indexes the KV cache, which training does not keep): copies differing only there are

@@ -33,7 +33,7 @@ def reference_run(spec: ModelSpec, *, batch_size: int, steps: int, seed: int,
     if spec.weights:
         from runtime.train.weights import load_all_weights
 
-        load_all_weights(model, spec.weights)
+        load_all_weights(model, spec)
     if train.precision == "bf16":
         model = model.to(torch.bfloat16)
     opt = make_optimizer(spec, model.parameters(), train)

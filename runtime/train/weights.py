@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import torch
 from torch import nn
@@ -20,6 +20,7 @@ from piper.errors import PiperError
 from piper.model_file import ModelSpec
 from piper.sharding import ModelSharding
 from piper.tensor_parallel import ROW_SPLIT, plan_targets
+from runtime.train.layout import Piece, Slicing
 
 
 @contextlib.contextmanager
@@ -56,16 +57,14 @@ def check_weights(spec: ModelSpec) -> None:
     """Every parameter of the model has a tensor of its shape in `spec.weights` (headers
     only are read): a folder that does not fit the config is an input error on the driver,
     not a worker failing in setup."""
-    from safetensors import safe_open
-
     with torch.device("meta"):
         model = spec.build()
     files = tensor_files(spec.weights)  # type: ignore[arg-type]
-    for names, p in _parameters(model):
-        stored = _stored(names, files, spec.weights)  # type: ignore[arg-type]
-        with safe_open(str(files[stored]), framework="pt") as h:
-            shape = tuple(h.get_slice(stored).get_shape())
-        _same_shape(shape, stored, names[0], p, spec.weights)  # type: ignore[arg-type]
+    with Stored(files) as reader:
+        for names, p in _parameters(model):
+            source = _stored(names, files, spec)
+            _same_shape(reader.shape(source), _label(source), names[0], p,
+                        spec.weights)  # type: ignore[arg-type]
 
 
 def load_rank_model(spec: ModelSpec, device: torch.device, sharding: ModelSharding,
@@ -75,25 +74,30 @@ def load_rank_model(spec: ModelSpec, device: torch.device, sharding: ModelShardi
     assert spec.weights is not None
     with parameters_on_meta():
         model = spec.build()
+    full = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    # experts cut by expert (and expert tensor) parallelism: read as checkpoints lay out
+    # a rank's pieces (`Slicing`)
+    cut = Slicing(sharding, [n for n, _ in model.named_modules()], full, tp_rank, ep_rank)
     sharding.apply(model, tp_rank, ep_rank)
     files = tensor_files(spec.weights)
     split = {f"{m}.{w}": (style, parts) for m, (style, parts) in plan_targets(
         sharding.tp_plan, [n for n, _ in model.named_modules()]).items()
         for w in ("weight", "bias")} if sharding.tp > 1 else {}
-    handles: dict[Path, Any] = {}
-    with contextlib.ExitStack() as stack:
+    with Stored(files) as reader:
         for names, old in _parameters(model):
             if not set(names) & needed:
                 continue
-            stored = _stored(names, files, spec.weights)
-            f = files[stored]
-            if f not in handles:
-                from safetensors import safe_open
-
-                handles[f] = stack.enter_context(safe_open(str(f), framework="pt"))
-            t = _read(handles[f], stored, split.get(names[0]), sharding.tp, tp_rank,
-                      names[0].endswith(".bias"))
-            _same_shape(tuple(t.shape), stored, names[0], old, spec.weights)
+            source = _stored(names, files, spec)
+            if names[0] in cut.experts or names[0] in cut.cuts or not isinstance(source, str):
+                full_box = [Piece((0,) * len(full[names[0]]), full[names[0]],
+                                  (0,) * len(full[names[0]]))]
+                pieces = cut.pieces(names[0]) if (names[0] in cut.experts
+                                                  or names[0] in cut.cuts) else full_box
+                t = _read_pieces(reader, source, pieces, tuple(old.shape))
+            else:
+                t = _read(reader.handle(source), source, split.get(names[0]), sharding.tp,
+                          tp_rank, names[0].endswith(".bias"))
+            _same_shape(tuple(t.shape), _label(source), names[0], old, spec.weights)
             new = nn.Parameter(t.to(device=device, dtype=old.dtype),
                                requires_grad=old.requires_grad)
             for n in names:
@@ -115,13 +119,89 @@ def _parameters(model: nn.Module) -> list[tuple[list[str], nn.Parameter]]:
     return [(names[k], params[k]) for k in names]
 
 
-def _stored(names: list[str], stored: Mapping[str, Any], folder: str) -> str:
-    """The name one of `names` (a parameter's aliases) is stored under."""
+Source = str | tuple[tuple[str, ...], int]
+"""Where a parameter is stored: a tensor's name, or stacked experts kept one tensor per
+expert (`ModelSpec.stored_as`: the per-expert templates and the dimension they join on)."""
+
+
+def _stored(names: list[str], stored: Mapping[str, Any], spec: ModelSpec) -> Source:
+    """Where one of `names` (a parameter's aliases) is stored."""
     hit = next((n for n in names if n in stored), None)
+    if hit is None and spec.stored_as is not None:
+        hit = next((s for n in names if (s := spec.stored_as(n, stored)) is not None), None)
     if hit is None:
-        raise PiperError(f"{folder}: no tensor for parameter {names[0]} in its *.safetensors "
-                         "files (saved from another model or version?)")
+        raise PiperError(f"{spec.weights}: no tensor for parameter {names[0]} in its "
+                         "*.safetensors files (saved from another model or version?)")
     return hit
+
+
+def _label(source: Source) -> str:
+    return source if isinstance(source, str) else source[0][0].format(e="*")
+
+
+class Stored:
+    """Open safetensors files, read lazily: a stored tensor's shape, slices of it, and a
+    stacked parameter's slices assembled from its per-expert tensors."""
+
+    def __init__(self, files: Mapping[str, Path]) -> None:
+        self.files = files
+        self.stack = contextlib.ExitStack()
+        self.open: dict[Path, Any] = {}
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stack.close()
+
+    def handle(self, name: str) -> Any:
+        from safetensors import safe_open
+
+        f = self.files[name]
+        if f not in self.open:
+            self.open[f] = self.stack.enter_context(safe_open(str(f), framework="pt"))
+        return self.open[f]
+
+    def _slice(self, name: str) -> Any:
+        return self.handle(name).get_slice(name)
+
+    def experts(self, parts: tuple[str, ...]) -> int:
+        n = 0
+        while all(p.format(e=n) in self.files for p in parts):
+            n += 1
+        return n
+
+    def shape(self, source: Source) -> tuple[int, ...]:
+        if isinstance(source, str):
+            return tuple(self._slice(source).get_shape())
+        parts, cat = source
+        shapes = [list(self._slice(p.format(e=0)).get_shape()) for p in parts]
+        shapes[0][cat] = sum(s[cat] for s in shapes)
+        return (self.experts(parts), *shapes[0])
+
+    def box(self, source: Source, at: tuple[int, ...], sizes: tuple[int, ...]
+            ) -> torch.Tensor:
+        """Elements `at:at+sizes` of the stored tensor (or of the stacked one the per-expert
+        tensors make), reading nothing else."""
+        index = tuple(slice(a, a + n) for a, n in zip(at, sizes))
+        if isinstance(source, str):
+            return self._slice(source)[index]
+        parts, cat = source
+        rows = []
+        for e in range(at[0], at[0] + sizes[0]):
+            pieces, start = [], 0
+            for p in parts:
+                sl = self._slice(p.format(e=e))
+                size = sl.get_shape()[cat]
+                lo = max(at[cat + 1], start)
+                hi = min(at[cat + 1] + sizes[cat + 1], start + size)
+                if lo < hi:
+                    inner = list(index[1:])
+                    inner[cat] = slice(lo - start, hi - start)
+                    pieces.append(sl[tuple(inner)])
+                start += size
+            rows.append(torch.cat(pieces, dim=cat))
+        return torch.stack(rows)
 
 
 def _same_shape(shape: tuple[int, ...], stored: str, name: str, param: torch.Tensor,
@@ -152,15 +232,36 @@ def _read(handle: Any, name: str, style: tuple[str, int] | None, degree: int, ra
     return sl[:, rank * piece:(rank + 1) * piece]
 
 
-def load_all_weights(model: nn.Module, folder: str | Path) -> nn.Module:
-    """Every parameter and stored buffer of `model` from the folder (single-device eager
-    training, the reference a run is checked against)."""
+def _read_pieces(reader: Stored, source: Source, pieces: list[Piece], shape: tuple[int, ...]
+                 ) -> torch.Tensor:
+    """A rank's part of a stored tensor made of `pieces` (its experts, each hidden half's
+    slice), read piece by piece: nothing else of the tensor is loaded."""
+    out: torch.Tensor | None = None
+    for p in pieces:
+        block = reader.box(source, p.full, p.sizes)
+        if out is None:
+            out = torch.empty(shape, dtype=block.dtype)
+        out[tuple(slice(o, o + n) for o, n in zip(p.local, p.sizes))] = block
+    assert out is not None
+    return out
+
+
+def load_all_weights(model: nn.Module, spec: ModelSpec) -> nn.Module:
+    """Every parameter and stored buffer of `model` from `spec.weights` (single-device eager
+    training, the reference a run is checked against), stored tensors under their own names
+    or where `spec.stored_as` says."""
     from safetensors.torch import load_file
 
+    assert spec.weights is not None
     state: dict[str, torch.Tensor] = {}
-    for f in sorted(Path(folder).glob("*.safetensors")):
+    for f in sorted(Path(spec.weights).glob("*.safetensors")):
         state.update(load_file(str(f)))
-    for names, _ in _parameters(model):
-        _stored(names, state, str(folder))
+    files = tensor_files(spec.weights)
+    with Stored(files) as reader:
+        for names, _ in _parameters(model):
+            source = _stored(names, files, spec)
+            if source != names[0]:  # another name, or assembled from per-expert tensors
+                shape = reader.shape(source)
+                state[names[0]] = reader.box(source, (0,) * len(shape), shape)
     model.load_state_dict(state, strict=False)
     return model

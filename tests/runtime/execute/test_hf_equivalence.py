@@ -150,6 +150,33 @@ def test_saved_weights_load_per_stage_and_match_eager(ray_session, capsys, tmp_p
     assert abs(fresh - first) > 1e-3, "the run trained the saved weights, not a fresh init"
 
 
+def test_saved_moe_experts_load_as_each_rank_holds_them(ray_session, capsys, tmp_path):
+    """A Mixtral checkpoint as transformers saves it (each expert's w1/w2/w3 apart, under
+    `block_sparse_moe`): under ep2 x etp2 each rank reads only its experts' halves and the
+    first loss is `from_pretrained`'s."""
+    import torch
+    import transformers
+
+    from piper.loading import load_model
+
+    folder = write_config(tmp_path / "mixtral", "mixtral", weights=True, seed=3)
+    from safetensors import safe_open
+
+    with safe_open(str(folder / "model.safetensors"), framework="pt") as h:
+        assert "model.layers.0.block_sparse_moe.experts.3.w3.weight" in h.keys()  # noqa: SIM118
+    rc, out = run_json(capsys, ["run", str(folder), "--gpus", "4", "--tp", "2", "--dp", "2",
+                                "--ep", "2", "--etp", "2", "--microbatches", "2",
+                                "--seq-len", str(SEQ), "--batch-size", str(BATCH), "--device",
+                                "cpu", "--steps", "2", "--seed", "0", "--check", "--json"])
+    assert rc == 0 and out["check"]["passed"]
+    spec = load_model(folder, (), (("seq_len", SEQ),))
+    torch.manual_seed(0)
+    _, batch, _ = spec.example(BATCH)
+    eager = transformers.AutoModelForCausalLM.from_pretrained(folder).train()
+    assert out["steps"][0]["loss"] == pytest.approx(float(eager(**batch).loss.detach()),
+                                                    rel=1e-5)
+
+
 def test_tp_that_splits_a_head_is_one_error_line(capsys, folders):
     rc = main(["run", str(folders["llama"]), "--gpus", "4", "--tp", "4", "--seq-len",
                str(SEQ), "--batch-size", str(BATCH), "--device", "cpu"])

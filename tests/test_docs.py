@@ -1,8 +1,8 @@
 """Every command the README and docs/*.md show runs as written, in the order written.
 
 One test walks README.md, then docs/*.md by name, in a fresh folder that holds what the
-text names (the examples, and under `path/to/` the Llama-3.1-8B config.json and a tiny saved
-Llama), and runs each command of each `bash` block there as a user would (the installed
+text names (the examples, and under `path/to/` the Llama-3.1-8B config.json, a tiny saved
+Llama and a tiny saved Mixtral), and runs each command of each `bash` block there as a user would (the installed
 `piper-plan`, `python`, `torchrun`). Each must exit 0. Left out, each for its reason in
 `NEEDS`: installs (CI has just installed), a cluster, a GPU, a server that runs until
 stopped. Made small (what README says of its commands): step counts of 100 or more
@@ -102,6 +102,7 @@ def test_every_command_of_the_readme_and_docs_runs_in_order(tmp_path):
     write_llama_31_8b(work / "path" / "to" / "Llama-3.1-8B")
     for name in ("tiny-llama", "my-tiny-llama"):
         write_config(work / "path" / "to" / name, "llama", weights=True)
+    write_config(work / "path" / "to" / "tiny-mixtral", "mixtral", weights=True)
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}"
                                  f"{os.environ.get('PATH', '')}"}
     env.pop("RAY_ADDRESS", None)

@@ -273,9 +273,16 @@ def test_model_without_annotate_raises_piper_error_pointing_at_annotate() -> Non
         capture_inline(NoRegions)
 
 
-def test_output_from_two_regions_is_rejected() -> None:
-    with pytest.raises(piper.PiperError, match="exactly one region"):
-        capture_inline(TwoOutputRegions)
+def test_outputs_of_earlier_regions_pass_through_the_last() -> None:
+    """A model returning a value of an earlier region (a MoE model's router logits) beside
+    its output: that value is sent to the last region, which outputs it unchanged."""
+    cap = capture_inline(TwoOutputRegions)
+    g = cap.graph
+    first, second = g.region("first").index, g.region("second").index
+    assert g.output_region == second
+    out = next(n for n in cap.program.graph.nodes if n.op == "output")
+    assert {cap.node_region[a.name] for a in out.all_input_nodes} == {second}
+    assert any(f.src == first and f.dst == second for f in g.flows)
 
 
 def test_flow_into_an_earlier_region_is_rejected() -> None:

@@ -34,7 +34,7 @@ from piper.annotate import TAG_KEY, counting_regions
 from piper.capture_errors import export_failure, failing_module, user_frame
 from piper.context_parallel import sequence_of
 from piper.errors import PiperError
-from piper.graph_passes import drop_metadata_asserts, to_meta
+from piper.graph_passes import drop_metadata_asserts, outputs_through_last, to_meta
 from piper.model_file import ModelSpec
 from piper.moe import eager_experts, expert_cuts, expert_modules
 from piper.regions import AutoRegions, annotate_automatically
@@ -407,7 +407,7 @@ def _regions(ep: ExportedProgram, path: str, batch: int) -> Captured:
         if len(users) > 1:
             tied.append((param_of[n.name], tuple(users)))
 
-    ops += _outputs_through_last(g, region)
+    ops += outputs_through_last(g, region)
     flows: dict[tuple[int, int], list[str]] = defaultdict(list)
     values: dict[str, Value] = {}
     for n in ops:
@@ -444,29 +444,6 @@ def _regions(ep: ExportedProgram, path: str, batch: int) -> Captured:
             raise PiperError(f"{path}: region {regions[f.src].name} feeds the earlier region "
                              f"{regions[f.dst].name}; regions must be tagged in call order")
     return Captured(program=ep, graph=mg, node_region=region, free=frozenset(free))
-
-
-def _outputs_through_last(g: fx.Graph, region: dict[str, int]) -> list[fx.Node]:
-    """Model outputs made in earlier regions (a Hugging Face MoE model returns each layer's
-    router logits beside its logits and loss) pass through the last region that makes one:
-    an identity op there, so they reach the output stage as any value crossing stages
-    does. Returns the ops added (their region set)."""
-    out_node = next(n for n in g.nodes if n.op == "output")
-    made = [a for a in out_node.all_input_nodes if a.name in region]
-    if not made:
-        return []
-    last = max(region[a.name] for a in made)
-    added = []
-    for a in made:
-        if region[a.name] == last:
-            continue
-        with g.inserting_before(out_node):
-            via = g.call_function(torch.ops.aten.alias.default, (a,))
-        via.meta = {k: v for k, v in a.meta.items() if k in ("val", "tensor_meta")}
-        out_node.replace_input_with(a, via)
-        region[via.name] = last
-        added.append(via)
-    return added
 
 
 def _free_glue(ops: list[fx.Node], region: dict[str, int], params: set[str]) -> set[str]:

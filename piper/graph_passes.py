@@ -1,5 +1,6 @@
-"""Whole-graph rewrites of a capture that are not about regions: cleanups right after
-export, and a copy whose ops make their tensors on meta (what the cost models replay)."""
+"""Whole-graph rewrites of a capture: cleanups right after export, model outputs routed to
+the last region, and a copy whose ops make their tensors on meta (what the cost models
+replay)."""
 
 from __future__ import annotations
 
@@ -51,3 +52,26 @@ def graph_on_meta(gm: fx.GraphModule) -> fx.GraphModule:
         n.args = fx.node.map_aggregate(n.args, retarget)
         n.kwargs = fx.node.map_aggregate(n.kwargs, retarget)
     return fx.GraphModule(gm, graph)
+
+
+def outputs_through_last(g: fx.Graph, region: dict[str, int]) -> list[fx.Node]:
+    """Model outputs made in earlier regions (a Hugging Face MoE model returns each layer's
+    router logits beside its logits and loss) pass through the last region that makes one:
+    an identity op there, so they reach the output stage as any value crossing stages
+    does. Returns the ops added (their region set)."""
+    out_node = next(n for n in g.nodes if n.op == "output")
+    made = [a for a in out_node.all_input_nodes if a.name in region]
+    if not made:
+        return []
+    last = max(region[a.name] for a in made)
+    added = []
+    for a in made:
+        if region[a.name] == last:
+            continue
+        with g.inserting_before(out_node):
+            via = g.call_function(torch.ops.aten.alias.default, (a,))
+        via.meta = {k: v for k, v in a.meta.items() if k in ("val", "tensor_meta")}
+        out_node.replace_input_with(a, via)
+        region[via.name] = last
+        added.append(via)
+    return added

@@ -155,7 +155,7 @@ class Captured:
 
 def capture(spec: ModelSpec, batch: int, sharding: ModelSharding | None = None, *,
             prepare: Callable[[torch.nn.Module], None] | None = None,
-            exact: bool = False) -> Captured:
+            exact: bool = False, dtype: torch.dtype | None = None) -> Captured:
     """Trace `spec`'s model on meta at microbatch size `batch`; no real memory is touched.
 
     With `sharding`, the model is first cut to one rank's tensor/expert-parallel slice, so
@@ -167,10 +167,12 @@ def capture(spec: ModelSpec, batch: int, sharding: ModelSharding | None = None, 
     With context parallelism (`sharding.cp`) the model is traced on one rank's share of the
     sequence and rewritten for it (`piper.sequence_split`); `exact` (the runtime's
     capture) also proves that each attention mask it drops is the causal one.
+    `dtype`: the model's floating parameters and buffers in it (pure bf16 training), so the
+    casts a model writes as `.to(x.dtype)` are traced to the dtype it trains in.
     """
-    model, ep, targets, auto = _export(spec, batch, sharding, prepare, automatic=False)
+    model, ep, targets, auto = _export(spec, batch, sharding, prepare, False, dtype)
     if not any(_tag(n) for n in ep.graph.nodes if n.op == "call_function"):
-        model, ep, targets, auto = _export(spec, batch, sharding, prepare, automatic=True)
+        model, ep, targets, auto = _export(spec, batch, sharding, prepare, True, dtype)
     eager_experts(ep.graph_module)  # routed experts run their data-dependent work eagerly
     drop_metadata_asserts(ep.graph_module)
     if sharding is not None and sharding.cp > 1:
@@ -192,7 +194,8 @@ on GPUs in the cases we know (transformers' MoE offsets)."""
 
 
 def _export(spec: ModelSpec, batch: int, sharding: ModelSharding | None,
-            prepare: Callable[[torch.nn.Module], None] | None, automatic: bool
+            prepare: Callable[[torch.nn.Module], None] | None, automatic: bool,
+            dtype: torch.dtype | None = None
             ) -> tuple[torch.nn.Module, ExportedProgram, Any, AutoRegions | None]:
     auto = None
     try:
@@ -202,6 +205,8 @@ def _export(spec: ModelSpec, batch: int, sharding: ModelSharding | None,
                 auto = annotate_automatically(model)
             if prepare is not None:
                 prepare(model)
+            if dtype is not None:
+                model.to(dtype)
         # traced on fake tensors of a real device type, not meta: code that branches on
         # `x.device.type` (Hugging Face's MoE kernels) takes a branch that can run
         with FakeTensorMode(allow_non_fake_inputs=False):

@@ -101,7 +101,9 @@ class Worker:
         spec = load_model(*self.model)
         mb = batch_size // (plan.dp * plan.microbatches)
         sharding = None if plan.sharding.trivial else plan.sharding
-        cap = capture(spec, mb, sharding, exact=True)
+        # pure bf16 trains a bf16 model: traced so, its own casts keep that dtype
+        dtype = torch.bfloat16 if train is not None and train.precision == "bf16" else None
+        cap = capture(spec, mb, sharding, exact=True, dtype=dtype)
         self.ex = RankExecutor(plan, self.rank, spec, cap, batch_size, seed, device, groups,
                                train, done)
         self.steps = done

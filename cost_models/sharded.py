@@ -86,7 +86,7 @@ def in_graph_comm(captured: Captured) -> InGraphComm:
     # output layer does (forward, a slice backward)
     into = {"tp_reduce": fwd, "tp_copy": bwd, "tp_gather": gather,
             "sp_scatter": scatter, "sp_gather": sp_gathers, "sp_gather_whole": gather,
-            "sp_split": splits}
+            "sp_split": splits, "tp_split": splits}
     kv: list[list[int]] = [[] for _ in range(n)]
     acc: list[list[int]] = [[] for _ in range(n)]
     flops: list[list[float]] = [[] for _ in range(n)]
@@ -112,7 +112,7 @@ def in_graph_comm(captured: Captured) -> InGraphComm:
             continue
         name = op.name.removeprefix("piper::")
         val = node.meta["val"]
-        if name in ("sp_scatter", "sp_split"):  # the whole tensor is what the ring moves
+        if name in ("sp_scatter", "sp_split", "tp_split"):  # the whole tensor is what moves
             val = node.args[0].meta["val"]
         region, nbytes = captured.node_region[node.name], val.numel() * val.element_size()
         into[name][region].append(nbytes)

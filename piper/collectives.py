@@ -111,14 +111,18 @@ tp_reduce.register_autograd(lambda ctx, g: (g, None), setup_context=_keep_group)
 # ---- all-gather over the last dim forward, this rank's slice backward -------------------
 # (leaves a column-parallel layer whose whole output every rank needs: a vocabulary-parallel
 # output layer before a loss that reads all logits)
-@torch.library.custom_op("piper::tp_gather", mutates_args=())
-def tp_gather(x: torch.Tensor, group: int, degree: int) -> torch.Tensor:
+def _gather_last(x: torch.Tensor, group: int, degree: int) -> torch.Tensor:
     src = _on_wire(x)
     parts = [torch.empty_like(src) for _ in range(degree)]
     g = bound_group(group)
     with lanes.waiting():
         dist.all_gather(parts, src, group=g)
     return torch.cat(parts, dim=-1).to(x.dtype)
+
+
+@torch.library.custom_op("piper::tp_gather", mutates_args=())
+def tp_gather(x: torch.Tensor, group: int, degree: int) -> torch.Tensor:
+    return _gather_last(x, group, degree)
 
 
 @tp_gather.register_fake
@@ -136,6 +140,25 @@ def _own_slice(ctx: Any, g: torch.Tensor) -> tuple:
 
 
 tp_gather.register_autograd(_own_slice, setup_context=_keep_degree)
+
+
+# ---- this rank's slice of the last dim forward, all-gather backward ---------------------
+# (enters a row-parallel layer from replicated code: Hugging Face's `rowwise_split_input`,
+# after a column-parallel layer whose output was gathered whole)
+@torch.library.custom_op("piper::tp_split", mutates_args=())
+def tp_split(x: torch.Tensor, group: int, degree: int) -> torch.Tensor:
+    index = dist.get_rank(bound_group(group))
+    return x.chunk(degree, dim=-1)[index].clone(memory_format=torch.contiguous_format)
+
+
+@tp_split.register_fake
+def _(x: torch.Tensor, group: int, degree: int) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], x.shape[-1] // degree))
+
+
+tp_split.register_autograd(
+    lambda ctx, g: (_gather_last(g.contiguous(), ctx.group, ctx.degree), None, None),
+    setup_context=_keep_degree)
 
 # ---- sequence parallelism (Megatron): activations between tensor-parallel blocks hold 1/t of
 # the sequence (dim 1). Entering a column-parallel layer gathers it (backward: reduce-scatter
@@ -235,6 +258,7 @@ sp_gather_whole.register_autograd(
     setup_context=_keep_degree)
 
 IN_GRAPH_OPS = {"tp_copy": TP_GROUP, "tp_reduce": TP_GROUP, "tp_gather": TP_GROUP,
+                "tp_split": TP_GROUP,
                 "sp_gather": TP_GROUP, "sp_scatter": TP_GROUP,
                 "sp_split": TP_GROUP, "sp_gather_whole": TP_GROUP}
 """Op name -> the group it runs over (cost models price these nodes as collectives)."""

@@ -32,6 +32,7 @@ DEFAULT_SEQ_LEN = 2048
 # base_model_tp_plan styles -> ours (piper.tensor_parallel); any other style is refused by
 # name, and the model plans without tensor parallelism
 TP_STYLES = {"colwise": "colwise", "rowwise": "rowwise", "colwise_rep": "colwise_rep",
+             "colwise_gather_output": "colwise_rep", "rowwise_split_input": "rowwise_split",
              "replicated_with_grad_allreduce": "replicate"}
 
 

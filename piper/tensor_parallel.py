@@ -9,6 +9,9 @@ A model file may define `TP_PLAN = {"blocks.*.fc": "colwise", "blocks.*.out": "r
                  each rank keeps its slice of every part, so `chunk(K, -1)` stays right
     rowwise      weight columns (input features) split; the partial products leave through
                  g (all-reduce forward, identity backward); the bias is added once, after g
+    rowwise_split  rowwise, whose input every rank holds whole (after a colwise_rep layer
+                 and replicated code): each rank takes its slice of the features first
+                 (backward: all-gather); Hugging Face's `rowwise_split_input`
     colwise_rep  colwise, then the output gathered whole on every rank (Hugging Face's
                  name; TorchTitan's ColwiseParallel(output_layouts=Replicate())): a
                  vocabulary-parallel output layer before a loss that reads every logit
@@ -65,10 +68,11 @@ from piper.collectives import (
     tp_copy,
     tp_gather,
     tp_reduce,
+    tp_split,
 )
 
 STYLES = ("colwise", "rowwise", "colwise_rep", "vocab", "sequence", "replicate",
-          "sequence_block", "sequence_split", "sequence_gather")
+          "sequence_block", "sequence_split", "sequence_gather", "rowwise_split")
 MODULE_STYLES = ("replicate", "sequence_block", "sequence_split", "sequence_gather")
 """Styles that name any module and split no weight."""
 ROW_SPLIT = ("colwise", "colwise_rep", "vocab")
@@ -81,8 +85,8 @@ def parse_style(style: str) -> tuple[str, int]:
     if name not in STYLES or (parts and (not parts.isdigit() or int(parts) < 1)) or (
             parts and name != "colwise"):
         raise ValueError(f"unknown tensor-parallel style {style!r}; use colwise, colwise:K, "
-                         "rowwise, colwise_rep, vocab, sequence, replicate, sequence_block, "
-                         "sequence_split or sequence_gather")
+                         "rowwise, rowwise_split, colwise_rep, vocab, sequence, replicate, "
+                         "sequence_block, sequence_split or sequence_gather")
     return name, int(parts or 1)
 
 
@@ -112,7 +116,7 @@ def check_divisible(weight_shape: tuple[int, ...], style: str, parts: int, degre
     if style in ROW_SPLIT and out_f % (parts * degree):
         what = "vocabulary rows" if style == "vocab" else "output features"
         return f"{out_f} {what} are not {parts} part(s) divisible by tp={degree}"
-    if style == "rowwise" and in_f % degree:
+    if style in ("rowwise", "rowwise_split") and in_f % degree:
         return f"{in_f} input features are not divisible by tp={degree}"
     return None
 
@@ -199,6 +203,14 @@ class RowwiseLinear(nn.Linear):
         return y + (tp_copy(self.bias, TP_GROUP) if self.sequence_parallel else self.bias)
 
 
+class RowwiseSplitLinear(RowwiseLinear):
+    """A row-parallel Linear entered from code every rank runs whole: this rank's slice of
+    the input features first (backward: the slices' gradients gathered)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(tp_split(x, TP_GROUP, self.tp_degree))
+
+
 def _rows(t: torch.Tensor, parts: int, degree: int, rank: int) -> torch.Tensor:
     """This rank's slice of each of `parts` equal blocks of dim 0."""
     blocks = t.chunk(parts, dim=0)
@@ -255,7 +267,8 @@ def shard_linears(model: nn.Module, plan: Iterable[tuple[str, str]], degree: int
                 m.num_embeddings = w.shape[0]
             else:
                 m.__class__ = {"colwise": ColwiseLinear, "colwise_rep": ColwiseRepLinear,
-                               "rowwise": RowwiseLinear}[style]
+                               "rowwise": RowwiseLinear,
+                               "rowwise_split": RowwiseSplitLinear}[style]
                 m.out_features, m.in_features = w.shape
             if id(old) in sliced and style in ROW_SPLIT:
                 m.weight = sliced[id(old)][1]

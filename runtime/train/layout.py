@@ -72,7 +72,7 @@ class Slicing:
             return True
         style = self.styles.get(name)
         return style is not None and style[0] != "sequence" and not (
-            style[0] == "rowwise" and name.endswith(".bias"))
+            style[0] in ("rowwise", "rowwise_split") and name.endswith(".bias"))
 
     def pieces(self, name: str) -> list[Piece]:
         full = self.full[name]

@@ -196,3 +196,21 @@ def test_routed_experts_cost_the_routed_rows_not_every_expert_on_every_token() -
     # two GEMMs over 16 tokens x top-2 rows (dim 32, hidden 64); a dense [E, T] buffer
     # would be 4 x 16 rows, twice as many
     assert experts - router == 2 * 2 * (16 * 2) * 32 * 64
+
+
+def test_gathered_columns_and_split_rows_are_priced_as_their_collectives(tmp_path) -> None:
+    """OLMoE's attention under tp=2: q, k and v gathered whole (three all-gathers forward),
+    o_proj's input split (its gradient all-gathered backward), o_proj's output all-reduced."""
+    pytest.importorskip("transformers")
+    from piper.loading import load_model
+    from tests.hf_models import SEQ, write_config
+
+    spec = load_model(write_config(tmp_path / "olmoe", "olmoe"), (), (("seq_len", SEQ),))
+    cap = piper.capture(spec, 1, ModelSharding(tp=2, tp_plan=spec.tp_plan))
+    traffic = in_graph_comm(cap)
+    layer = cap.graph.names.index("layer.0")
+    whole = SEQ * 32 * 4  # one sequence of hidden 32, fp32: q gathered whole
+    kv = SEQ * 16 * 4  # k and v: 2 key-value heads of 8
+    assert sorted(traffic.forward_all_gather[layer]) == [kv, kv, whole]
+    assert traffic.sequence_split[layer] == (whole,)
+    assert traffic.forward_all_reduce[layer] == (whole,)

@@ -59,13 +59,24 @@ def test_unknown_tp_style_is_refused_by_name(tmp_path, folders) -> None:
 
     old = transformers.LlamaConfig.base_model_tp_plan
     transformers.LlamaConfig.base_model_tp_plan = {**old, "layers.*.mlp.up_proj":
-                                                   "colwise_gather_output"}
+                                                   "local_colwise"}
     try:
         spec = load_hf_model(tmp_path, seq_len=SEQ)
     finally:
         transformers.LlamaConfig.base_model_tp_plan = old
     assert spec.tp_plan == ()
-    assert "colwise_gather_output" in spec.notes[0] and "up_proj" in spec.notes[0]
+    assert "local_colwise" in spec.notes[0] and "up_proj" in spec.notes[0]
+
+
+def test_gathered_column_and_split_row_styles_map_to_ours(tmp_path) -> None:
+    """OLMo's plan (and GLM's, Phi-3's): q/k/v column-parallel with their output gathered
+    whole (its q/k norms span every head), o_proj row-parallel taking its slice first."""
+    from tests.hf_models import write_config
+
+    spec = load_hf_model(write_config(tmp_path / "olmoe", "olmoe"), seq_len=SEQ)
+    plan = dict(spec.tp_plan)
+    assert plan["model.layers.*.self_attn.q_proj"] == "colwise_rep"
+    assert plan["model.layers.*.self_attn.o_proj"] == "rowwise_split"
 
 
 def test_a_misspelt_model_type_is_one_whole_sentence_and_the_nearest_type(tmp_path,

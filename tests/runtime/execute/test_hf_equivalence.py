@@ -75,7 +75,7 @@ CASES = [(f, s) for f in sorted(FAMILIES) for s in STRATEGIES
         "ep2_bf16_mixed", "ep2_etp2_tp2_sp", "ep4_over_tp2_sp", "ep2_pp2_dualpipev_aux_loss")
 ] + [("qwen3_moe", s) for s in ("ep4_over_tp2_sp", "ep2_pp2_dualpipev_aux_loss",
                                  "ep2_etp2_tp2_sp", "ep2_bf16_mixed")] + [
-    ("olmoe", "ep2_dp2_zero2")]
+    ("olmoe", "ep2_dp2_zero2"), ("olmoe", "ep2_tp2")]
 MORE["tp2_sp"] = ["--gpus", "2", "--tp", "2", "--sp", "--microbatches", "2"]
 STRATEGIES.update(MORE)
 STRATEGIES.update(EXPERTS)

@@ -19,7 +19,6 @@ from torch import nn
 from piper.errors import PiperError
 from piper.model_file import ModelSpec
 from piper.sharding import ModelSharding
-from piper.tensor_parallel import ROW_SPLIT, plan_targets
 from runtime.train.layout import Piece, Slicing
 
 
@@ -75,29 +74,18 @@ def load_rank_model(spec: ModelSpec, device: torch.device, sharding: ModelShardi
     with parameters_on_meta():
         model = spec.build()
     full = {n: tuple(p.shape) for n, p in model.named_parameters()}
-    # experts cut by expert (and expert tensor) parallelism: read as checkpoints lay out
-    # a rank's pieces (`Slicing`)
+    # what tensor, expert and expert tensor parallelism leave this rank of each parameter,
+    # as checkpoints lay out a rank's pieces (`Slicing`)
     cut = Slicing(sharding, [n for n, _ in model.named_modules()], full, tp_rank, ep_rank)
     sharding.apply(model, tp_rank, ep_rank)
     files = tensor_files(spec.weights)
-    split = {f"{m}.{w}": (style, parts) for m, (style, parts) in plan_targets(
-        sharding.tp_plan, [n for n, _ in model.named_modules()]).items()
-        for w in ("weight", "bias")} if sharding.tp > 1 else {}
     with Stored(files) as reader:
         for names, old in _parameters(model):
             if not set(names) & needed:
                 continue
             source = _stored(names, files, spec)
-            if names[0] in cut.experts or names[0] in cut.cuts or not isinstance(source, str):
-                full_box = [Piece((0,) * len(full[names[0]]), full[names[0]],
-                                  (0,) * len(full[names[0]]))]
-                pieces = cut.pieces(names[0]) if (names[0] in cut.experts
-                                                  or names[0] in cut.cuts) else full_box
-                t = _read_pieces(reader, source, pieces, tuple(old.shape))
-            else:
-                t = _read(reader.handle(source), source, split.get(names[0]), sharding.tp,
-                          tp_rank, names[0].endswith(".bias"))
-            _same_shape(tuple(t.shape), _label(source), names[0], old, spec.weights)
+            # shapes were checked against the files on the driver (`check_weights`)
+            t = _read_pieces(reader, source, cut.pieces(names[0]), tuple(old.shape))
             new = nn.Parameter(t.to(device=device, dtype=old.dtype),
                                requires_grad=old.requires_grad)
             for n in names:
@@ -185,7 +173,8 @@ class Stored:
         tensors make), reading nothing else."""
         index = tuple(slice(a, a + n) for a, n in zip(at, sizes))
         if isinstance(source, str):
-            return self._slice(source)[index]
+            return self._slice(source)[index] if index else self.handle(source).get_tensor(
+                source)
         parts, cat = source
         rows = []
         for e in range(at[0], at[0] + sizes[0]):
@@ -209,27 +198,6 @@ def _same_shape(shape: tuple[int, ...], stored: str, name: str, param: torch.Ten
     if shape != tuple(param.shape):
         raise PiperError(f"{folder}: tensor {stored} has shape {shape}, the model's {name} "
                          f"{tuple(param.shape)}")
-
-
-def _read(handle: Any, name: str, style: tuple[str, int] | None, degree: int, rank: int,
-          bias: bool) -> torch.Tensor:
-    """The whole tensor, or this rank's rows (column-parallel: of each of `parts` fused
-    blocks) or columns (row-parallel weight; its bias is whole)."""
-    if style is None or style[0] == "sequence":  # a position table stays whole
-        return handle.get_tensor(name)
-    kind, parts = style
-    sl = handle.get_slice(name)
-    if kind in ROW_SPLIT:
-        rows = sl.get_shape()[0]
-        block = rows // parts
-        piece = block // degree
-        return torch.cat([sl[k * block + rank * piece:k * block + (rank + 1) * piece]
-                          for k in range(parts)], dim=0)
-    if bias:
-        return handle.get_tensor(name)
-    cols = sl.get_shape()[1]
-    piece = cols // degree
-    return sl[:, rank * piece:(rank + 1) * piece]
 
 
 def _read_pieces(reader: Stored, source: Source, pieces: list[Piece], shape: tuple[int, ...]

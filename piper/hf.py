@@ -64,7 +64,7 @@ def load_hf_model(path: str | Path, model_args: tuple[tuple[str, Any], ...] = ()
     prefix = getattr(cls, "base_model_prefix", "") or ""
     tp_plan, notes = _tp_plan(config, prefix)
     with torch.device("meta"):
-        shape = transformers.AutoModelForCausalLM.from_config(config)
+        shape = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     names = [n for n, _ in shape.named_modules()]
     # entries for kinds of layer this model does not have (the dense MLP of an all-MoE
     # config) are left out, as transformers leaves them; then where sequence parallelism
@@ -76,7 +76,10 @@ def load_hf_model(path: str | Path, model_args: tuple[tuple[str, Any], ...] = ()
     weights = sorted(folder.glob("*.safetensors")) if p.is_dir() else []
 
     def build_model(**_applied: Any) -> nn.Module:  # model_args are in the config already
-        model = transformers.AutoModelForCausalLM.from_config(config)
+        # fp32 whatever dtype the checkpoint was saved in (published configs say bfloat16,
+        # which transformers builds in): the run's precision policy decides what trains in
+        # bf16, and bf16-mixed keeps fp32 master weights
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         model.config.use_cache = False
         adopt_experts(model)  # routed by piper, so expert parallelism can shard them
         return _with_regions(model, config)

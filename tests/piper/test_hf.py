@@ -143,3 +143,14 @@ def test_tp_plan_entries_for_absent_layers_are_left_out(tmp_path) -> None:
     kept = dict(spec.tp_plan)
     assert "model.layers.*.self_attn.q_proj" in kept
     assert not any(".mlp." in k for k in kept)
+
+
+def test_a_config_saved_in_bf16_builds_fp32_master_weights(tmp_path, folders) -> None:
+    """Published configs say `"torch_dtype": "bfloat16"` (the checkpoint's dtype), which
+    transformers builds in: the run's precision decides instead (bf16-mixed keeps fp32
+    master weights), and the cost model counts fp32 tensors."""
+    cfg = json.loads((folders["llama"] / "config.json").read_text())
+    cfg["torch_dtype"] = "bfloat16"
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    spec = load_model(tmp_path, (), (("seq_len", SEQ),))
+    assert {p.dtype for p in spec.build().parameters()} == {torch.float32}

@@ -103,6 +103,9 @@ class Run:
     """Expert-parallel degree: each group of ep data-parallel replicas splits the experts."""
     ep_over_tp: bool = False
     """The EP groups span the tensor-parallel ranks too (Megatron's expert mesh)."""
+    ep_overlap: bool = False
+    """Expert all-to-alls hidden behind another microbatch's math (Megatron's
+    --overlap-moe-expert-parallel-comm), priced by `Evaluator.ep_overlap`."""
     moe: bool = False
     """A mixture-of-experts model: its error is reported apart (`accuracy.json`'s
     "<cluster> moe" figures, which `search` prints for models with experts)."""
@@ -336,10 +339,18 @@ def mpt() -> list[Run]:
 
 
 def bridge_moe() -> list[Run]:
-    """Megatron-Bridge's DGX-H100 performance summary, MoE rows (section 6b): Qwen3-MoE,
-    dropless with routing force-balanced (the page's caveat), as published in
-    transformers' config of each model. tokens/s per GPU -> seconds per step."""
-    rows = [  # model, container, gpus, gbs, mbs, tp, pp, vp, ep, tokens/s per GPU
+    """Megatron-Bridge's MoE runs on DGX-H100, Qwen3-MoE as published in transformers'
+    config of each model, routing force-balanced ("token-dropless"):
+
+    - the performance summary (section 6b): tokens/s per GPU -> seconds per step. The
+      recipes of those containers (`scripts/performance/configs/qwen/`, Megatron-Bridge
+      c3e43e6 and c4cc63b) say: no recompute, DeepEP's dispatcher, EP all-to-alls
+      overlapped (`moe_a2a_overlap`);
+    - a controlled A/B of EP overlap on Qwen3-30B-A3B (`skills/nemo-mbridge-perf-expert-
+      parallel-overlap/SKILL.md`, Megatron-Bridge 067f987): 16 H100s, BF16, EP16, TP1 PP1,
+      MBS1 GBS1024, sequence 4096, NCCL's all-to-all (the `alltoall` dispatcher), CUDA
+      graphs and permute fusion off; steady-state step time, without and with overlap."""
+    summary = [  # model, container, gpus, gbs, mbs, tp, pp, vp, ep, tokens/s per GPU
         ("qwen3_30b_a3b", "26.02", 16, 1024, 1, 1, 2, 12, 8, 5113),
         ("qwen3_30b_a3b", "25.11", 16, 512, 2, 1, 2, 24, 8, 5275),
         ("qwen3_235b_a22b", "26.02", 256, 8192, 1, 2, 8, 4, 32, 1633),
@@ -347,7 +358,7 @@ def bridge_moe() -> list[Run]:
     ]
     out = []
     seq = 4096
-    for model, container, gpus, gbs, mbs, tp, pp, vp, ep, tps in rows:
+    for model, container, gpus, gbs, mbs, tp, pp, vp, ep, tps in summary:
         dp = gpus // (tp * pp)
         # Megatron's expert mesh: with expert tensor parallelism 1 (Megatron-Bridge's MoE
         # recipes) the EP groups span the tensor-parallel ranks
@@ -356,11 +367,19 @@ def bridge_moe() -> list[Run]:
                        f"mbs{mbs} ({gpus} GPUs)", str(HF_CONFIGS / f"{model}.json"),
                        (), "h100-80gb", gpus, tp, pp, dp, mbs, gbs,
                        gbs * seq / (gpus * tps), schedule="interleaved-1f1b", v=vp,
-                       ep=ep, ep_over_tp=over, moe=True, approx="FP8 GEMMs simulated in bf16",
-                       sp=tp > 1,
-                       assumed="no recompute (not stated); expert tensor parallelism 1; "
-                               "sequence parallelism with tp (Megatron requires it for MoE "
-                               "with tp)"))
+                       ep=ep, ep_over_tp=over, moe=True, ep_overlap=True, zero=1,
+                       approx="FP8 GEMMs simulated in bf16; DeepEP's dispatcher priced as "
+                              "NCCL's all-to-all", sp=tp > 1,
+                       assumed="expert tensor parallelism 1; sequence parallelism with tp "
+                               "(Megatron requires it for MoE with tp); the distributed "
+                               "optimizer (Megatron-Bridge's default)"))
+    for overlap, step in ((False, 41.25), (True, 31.31)):
+        out.append(Run("bridge-moe", f"qwen3_30b_a3b alltoall ep16 mbs1 "
+                       f"{'EP overlap' if overlap else 'in line'} (16 GPUs)",
+                       str(HF_CONFIGS / "qwen3_30b_a3b.json"), (), "h100-80gb", 16, 1, 1, 16,
+                       1, 1024, step, ep=16, moe=True, ep_overlap=overlap, zero=1,
+                       assumed="no recompute and the distributed optimizer (the recipe's "
+                               "and Megatron-Bridge's defaults)"))
     return out
 
 
@@ -406,7 +425,7 @@ class Evaluators:
             self.cache[spec_key] = Evaluator(spec, run.gpus, run.gbs, cluster,
                                              precision="bf16-mixed")
         ev = self.cache[spec_key].on(cluster, run.gpus, run.gbs)
-        ev.tp_overlap = run.tp_overlap
+        ev.tp_overlap, ev.ep_overlap = run.tp_overlap, run.ep_overlap
         return ev
 
 

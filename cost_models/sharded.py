@@ -159,12 +159,27 @@ def context_seconds(traffic: InGraphComm, regions: list[int], plan: Plan,
 
 
 def all_to_all_time(nbytes: float, group: tuple[int, ...], cluster: ClusterSpec) -> float:
-    """Each rank keeps 1/p of its `nbytes` and exchanges the rest: (p-1)(alpha) + (p-1)/p n/beta."""
+    """`all_to_all_single` of `nbytes` per rank over `group`: each rank keeps 1/p and sends
+    n/p to every other rank, all at once (NCCL posts the sends and receives together).
+
+    Peers on the rank's node are reached over NVLink at a collective's bus bandwidth,
+    busbw = algbw (p-1)/p as nccl-tests define it for all-to-all (non-all-reduce
+    collectives reach about 370 GB/s on NVLink4, the NCCL maintainers in nccl-tests#212;
+    335-358 GB/s measured for all-to-all on 4 H100s, NVIDIA/nccl#2169): the measured curve
+    where the cluster has one. Peers on other nodes are reached through the rank's own NIC
+    (`inter_node_bandwidth` is per device: all-to-all does not aggregate NICs,
+    nccl-tests#267) while the NVLink part runs: the slower of the two is the time."""
     p = len(group)
     if p <= 1:
         return 0.0
-    latency, bandwidth = comm.link(cluster, group)
-    return (p - 1) * latency + (p - 1) / p * nbytes / bandwidth
+    nodes, per_node = comm.layout(cluster, group)
+    # the exchange among node-mates is an all-to-all of their m/p share over m ranks
+    inside = comm.in_node_time(comm.ALL_GATHER, nbytes * per_node / p, per_node, cluster)
+    if nodes == 1:
+        return inside
+    outside = (cluster.inter_node_latency
+               + (p - per_node) / p * nbytes / cluster.inter_node_bandwidth)
+    return max(inside, outside)
 
 
 def overlapped(comm_s: float, compute_s: float, contention: float) -> float:
@@ -197,14 +212,17 @@ def with_expert_skew(tc: TaskCosts, plan: Plan, costs: ModelCosts, skew: float) 
 
 def with_in_graph_comm(tc: TaskCosts, plan: Plan, traffic: InGraphComm, cluster: ClusterSpec,
                        microbatch_size: int, tp_overlap: bool = False,
-                       expert_skew: float = 1.0) -> TaskCosts:
+                       expert_skew: float = 1.0, ep_overlap: bool = False) -> TaskCosts:
     """`tc` with every chunk's in-graph collectives added, at `microbatch_size` samples.
 
     `tp_overlap`: the tensor-parallel ones are overlapped with the chunk's GEMMs
     (`overlapped`), as published Megatron and torchtitan runs did; piper's runtime runs
-    them in line, so the planner prices them so (False). Expert all-to-alls stay in line;
-    `expert_skew` (`with_expert_skew`): the busiest rank receives that many times the mean
-    rows, and every rank waits for it."""
+    them in line, so the planner prices them so (False). Expert all-to-alls stay in line,
+    unless `ep_overlap` (Megatron's --overlap-moe-expert-parallel-comm, which pairs one
+    microbatch's forward with another's backward): a forward's exchanges then run under
+    the paired backward's math and a backward's under the forward's, adding only what
+    that math does not cover. `expert_skew` (`with_expert_skew`): the busiest rank
+    receives that many times the mean rows, and every rank waits for it."""
     mesh = plan.mesh
     tp_group, ep_group = mesh.tp_group(0), mesh.ep_processes(0, 0)
     scale = microbatch_size / plan.model.batch
@@ -223,6 +241,7 @@ def with_in_graph_comm(tc: TaskCosts, plan: Plan, traffic: InGraphComm, cluster:
         return sum(comm.collective_time(comm.ALL_REDUCE, b, tp_group, cluster) for b in sizes)
 
     contention = comm.contention(cluster, tp_group)
+    ep_contention = comm.contention(cluster, ep_group)
     fwd, bwd, again = [], [], []
     for s, regions in enumerate(plan.stage_regions):
         a2a = seconds(traffic.all_to_all, regions, "a2a") * expert_skew
@@ -243,7 +262,11 @@ def with_in_graph_comm(tc: TaskCosts, plan: Plan, traffic: InGraphComm, cluster:
             backward = overlapped(backward, tc.backward_s[s], contention)
         cp_f, cp_b = context_seconds(traffic, [index[r] for r in regions], plan, cluster,
                                      scale)
-        forward, backward = forward + a2a + cp_f, backward + a2a + cp_b
+        a2a_f = a2a_b = a2a
+        if ep_overlap:
+            a2a_f = overlapped(a2a, tc.backward_s[s], ep_contention)
+            a2a_b = overlapped(a2a, tc.forward_s[s], ep_contention)
+        forward, backward = forward + a2a_f + cp_f, backward + a2a_b + cp_b
         # a full recompute re-runs the forward's collectives inside the backward (a
         # selective one recomputes no collective)
         rebuilt = forward if s in plan.recompute and plan.recompute_policy == "full" else 0.0

@@ -74,6 +74,10 @@ class Evaluator:
     """Price tensor-parallel collectives as overlapped with the GEMMs (Megatron's
     --tp-comm-overlap; `cost_models.sharded.overlapped`): for published runs that used it
     and what-ifs; piper's runtime runs them in line, so the planner leaves this off."""
+    ep_overlap: bool = False
+    """Price expert all-to-alls as hidden behind another microbatch's math (Megatron's
+    --overlap-moe-expert-parallel-comm): for published runs that used it; piper's runtime
+    runs them in line."""
     expert_skew: float = 1.0
     """The busiest rank's share of routed rows over the mean (`--expert-skew`): 1 prices a
     perfectly balanced router; a measured router's max/mean load prices its imbalance
@@ -246,7 +250,7 @@ class Evaluator:
         mb = program_microbatch_size(program, self.batch_size)
         key = evaluation_key(program, self.captured.graph, self.costs, self.cluster, mb,
                              self.gpus, tp_overlap=self.tp_overlap,
-                             expert_skew=self.expert_skew)
+                             expert_skew=self.expert_skew, ep_overlap=self.ep_overlap)
         hit = self.cache.get(key)
         if hit is not None:
             return hit
@@ -261,7 +265,8 @@ class Evaluator:
                 tc = dataclasses.replace(tc, value_bytes=tuple(
                     (v, round(b * share.get(v, 1.0))) for v, b in tc.value_bytes))
             durations = with_in_graph_comm(tc, plan, traffic, self.cluster, mb,
-                                           self.tp_overlap, self.expert_skew)
+                                           self.tp_overlap, self.expert_skew,
+                                           self.ep_overlap)
             pred = simulate(plan, costs, self.cluster, mb, durations=durations)
             # MFU counts the whole model's FLOPs; the slice's are 1/tp of them (and its
             # tokens 1/cp of each sequence's)

@@ -98,8 +98,8 @@ def test_chunk_times_grow_by_exactly_the_in_graph_collectives() -> None:
     counts = all_to_all_time(4 * 8 * 2 * 2, (0, 1), cluster)  # priced at 4 samples too
     assert got.forward_s[0] - base.forward_s[0] == pytest.approx(2 * (2 * per + counts))
     assert got.backward_s[0] - base.backward_s[0] == pytest.approx(2 * (2 * per + counts))
-    lat, bw = comm.link(cluster, (0, 1))
-    assert per == pytest.approx(lat + 0.5 * 16384 / bw)
+    # NVLink at the measured bus bandwidth for its size (here the small-message floor)
+    assert per == pytest.approx(0.5 * 16384 / cluster.busbw(16384, ring=True))
     # a skewed router (the busiest rank gets 1.5x the mean routed rows): that rank's
     # expert GEMMs take 1.5x as long, and every all-to-all waits for its rows
     skewed = with_expert_skew(base, plan, costs, 1.5)
@@ -214,3 +214,45 @@ def test_gathered_columns_and_split_rows_are_priced_as_their_collectives(tmp_pat
     assert sorted(traffic.forward_all_gather[layer]) == [kv, kv, whole]
     assert traffic.sequence_split[layer] == (whole,)
     assert traffic.forward_all_reduce[layer] == (whole,)
+
+
+def test_an_all_to_all_over_nodes_sends_each_nodes_share_through_its_nic() -> None:
+    """Inside a node an all-to-all runs at NVLink's collective bus bandwidth; across nodes
+    each rank's NIC carries only what goes to other nodes, while NVLink carries the rest."""
+    h100 = load_cluster("h100-80gb")
+    n = 128 * 2**20
+    inside = all_to_all_time(n, tuple(range(8)), h100)
+    assert inside == pytest.approx(7 / 8 * n / h100.busbw(n, ring=True))
+    two_nodes = all_to_all_time(n, tuple(range(16)), h100)  # 8 of 15 peers are remote
+    assert two_nodes == pytest.approx(h100.inter_node_latency
+                                      + 8 / 16 * n / h100.inter_node_bandwidth)
+    one_per_node = all_to_all_time(n, tuple(range(0, 128, 8)), h100)  # every peer remote
+    assert one_per_node == pytest.approx(h100.inter_node_latency
+                                         + 15 / 16 * n / h100.inter_node_bandwidth)
+    assert inside < two_nodes < one_per_node
+
+
+def test_overlapped_expert_exchanges_add_what_the_paired_math_does_not_cover() -> None:
+    """Megatron's EP overlap: a forward's all-to-alls run under another microbatch's
+    backward, a backward's under a forward."""
+    spec = load_model_file(str(ROOT / "examples" / "moe.py"), TINY)
+    cluster = load_cluster("h100-80gb")
+    cap = piper.capture(spec, 1, ModelSharding(ep=2, experts=("moe.0.experts",
+                                                               "moe.1.experts")))
+    dag0 = piper.single_device_dag(piper.capture(spec, 1).graph)
+    prog = schedules.shard(schedules.build("1f1b", [list(dag0.model.names)], microbatches=1,
+                                           dp=2), ep=2, expert_regions=("experts.0",
+                                                                        "experts.1"))
+    plan = schedule(prog.apply(dag0))
+    costs = Evaluator(spec, 2, 16, cluster).sharded_costs(plan.sharding)[0]
+    traffic = in_graph_comm(cap)
+    base = task_costs(plan, costs, cluster, 4)
+    inline = with_in_graph_comm(base, plan, traffic, cluster, 4)
+    hidden = with_in_graph_comm(base, plan, traffic, cluster, 4, ep_overlap=True)
+    a2a = inline.forward_s[0] - base.forward_s[0]
+    assert a2a > 0 and inline.backward_s[0] - base.backward_s[0] == pytest.approx(a2a)
+    c = comm.contention(cluster, plan.mesh.ep_processes(0, 0))
+    assert hidden.forward_s[0] - base.forward_s[0] == pytest.approx(
+        overlapped(a2a, base.backward_s[0], c))
+    assert hidden.backward_s[0] - base.backward_s[0] == pytest.approx(
+        overlapped(a2a, base.forward_s[0], c))

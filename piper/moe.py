@@ -56,6 +56,7 @@ from piper.collectives import (
     tp_reduce,
     wire_dtype,
 )
+from piper.moe_capacity import apply_capacity
 
 
 @dataclass(frozen=True)
@@ -129,6 +130,7 @@ def routed_forward(module: nn.Module, x: torch.Tensor, idx: torch.Tensor,
     parallelism it has them already; without, it takes its 1/tp of them and the outputs
     are gathered whole again."""
     ffn: ExpertFFN = module.piper_ffn  # type: ignore[assignment]
+    idx, gate = apply_capacity(module, idx, gate)  # whole sequences here (`moe_capacity`)
     etp, sp = int(getattr(module, "piper_etp", 1)), bool(getattr(module, "piper_sp", False))
     spans = int(getattr(module, "piper_ep_tp", 1))
     if spans > 1 and not sp:  # TP ranks hold the same tokens: each routes its share
@@ -159,7 +161,8 @@ def routed_experts(x: torch.Tensor, idx: torch.Tensor, gate: torch.Tensor,
                    ffn: ExpertFFN = GELU_MLP) -> torch.Tensor:
     """sum_k gate[t, k] * FFN_{idx[t, k]}(x[t]) for every token t, each expert computing only
     the rows routed to it; with `ep` > 1 the experts are spread over the EP group (this rank
-    holds `weights[0].shape[0]` of them) and the rows travel by `all_to_all_single`."""
+    holds `weights[0].shape[0]` of them) and the rows travel by `all_to_all_single`. A row
+    routed to expert `num_experts` (over capacity: `piper.moe_capacity`) is dropped."""
     t, d = x.shape
     k = idx.shape[1]
     flat = idx.reshape(-1)
@@ -169,7 +172,9 @@ def routed_experts(x: torch.Tensor, idx: torch.Tensor, gate: torch.Tensor,
         order = torch.arange(t * k, device=x.device)
     else:
         order = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat, minlength=num_experts).tolist()
+        counts = torch.bincount(flat, minlength=num_experts + 1).tolist()
+        if counts.pop():  # dropped rows sort last: leave them out
+            order = order[:sum(counts)]
     rows = x.index_select(0, order // k)  # [T*k, d], grouped by expert
     if ep == 1:
         out = grouped_ffn(rows, weights, counts, ffn)
@@ -177,7 +182,12 @@ def routed_experts(x: torch.Tensor, idx: torch.Tensor, gate: torch.Tensor,
         out = grouped_ffn(rows, weights, _balanced(t * k, weights[0].shape[0]), ffn)
     else:
         out = _expert_parallel(rows, weights, counts, ep, ffn)
-    y = out.index_select(0, torch.argsort(order)) if not meta else out  # token-major again
+    if meta:
+        y = out
+    elif len(order) < t * k:  # dropped rows give nothing
+        y = out.new_zeros(t * k, d).index_copy(0, order, out)
+    else:  # token-major again
+        y = out.index_select(0, torch.argsort(order))
     # gate weights may be wider than the rows (a router's fp32 softmax): sum, then cast back
     return (y.view(t, k, d) * gate.unsqueeze(-1)).sum(1).to(x.dtype)
 

@@ -99,6 +99,9 @@ class Program:
             "etp": next((d.tensor for d in self.directives if isinstance(d, Shard)), 1),
             # Megatron's expert mesh: EP groups spread over the tensor-parallel ranks too
             "ep_over_tp": any(isinstance(d, Shard) and d.over_tp for d in self.directives),
+            # an expert capacity factor per sequence (0: dropless)
+            "capacity": next((d.capacity for d in self.directives if isinstance(d, Shard)),
+                             0.0),
             "cp": next((d.degree for d in self.directives if isinstance(d, ShardSequence)), 1),
             "zero": rep[0].zero if rep else 0,
             "schedule": self.name,

@@ -285,9 +285,11 @@ def build(schedule: str, stages: Sequence[Sequence[str]], *, microbatches: int,
 
 def shard(program: Program, *, tp: int = 1, ep: int = 1,
           expert_regions: Sequence[str] = (), sp: bool = False, cp: int = 1,
-          cp_attention: str = "ring", etp: int = 1, ep_over_tp: bool = False) -> Program:
+          cp_attention: str = "ring", etp: int = 1, ep_over_tp: bool = False,
+          capacity: float = 0.0, capacity_group: int = 0) -> Program:
     """`program` with tensor (ShardTensor, with `sp` sequence parallel), expert (Shard, with
-    `etp` expert tensor parallelism, `ep_over_tp` its groups over the TP ranks too) and
+    `etp` expert tensor parallelism, `ep_over_tp` its groups over the TP ranks too,
+    `capacity` a capacity factor per sequence of `capacity_group` tokens) and
     context (ShardSequence) parallelism added, in the
     phase they belong to (after Replicate, before Order). Context parallelism sums
     gradients with the replicas' collectives, so a program without Replicate gets
@@ -297,8 +299,9 @@ def shard(program: Program, *, tp: int = 1, ep: int = 1,
         extra.append(Replicate(1))
     if tp > 1:
         extra.append(ShardTensor(tp, sequence_parallel=sp))
-    if ep > 1 or etp > 1:
-        extra.append(Shard(tuple(expert_regions), degree=ep, tensor=etp, over_tp=ep_over_tp))
+    if ep > 1 or etp > 1 or capacity:
+        extra.append(Shard(tuple(expert_regions), degree=ep, tensor=etp, over_tp=ep_over_tp,
+                           capacity=capacity, group=capacity_group))
     if cp > 1:
         extra.append(ShardSequence(cp, attention=cp_attention))
     return _insert(program, extra)

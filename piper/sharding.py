@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from piper.moe import shard_experts
+from piper.moe_capacity import limit_capacity
 from piper.tensor_parallel import shard_linears
 
 
@@ -39,6 +40,10 @@ class ModelSharding:
     """Megatron's expert mesh: each EP group spans the tensor-parallel ranks of its replicas
     too (ep = replicas x tp), so each TP rank holds other experts and routes its own share
     of the tokens (`piper.moe.routed_forward`)."""
+    capacity: float = 0.0
+    """Expert capacity factor per sequence of `capacity_group` tokens; 0: dropless
+    (`piper.moe_capacity`)."""
+    capacity_group: int = 0
 
     @property
     def ep_replicas(self) -> int:
@@ -52,12 +57,14 @@ class ModelSharding:
 
     @property
     def trivial(self) -> bool:
-        return self.tp == 1 and self.ep == 1 and self.cp == 1 and self.etp == 1
+        return (self.tp == 1 and self.ep == 1 and self.cp == 1 and self.etp == 1
+                and not self.capacity)
 
     def describe(self) -> str:
         cp = f" cp={self.cp} {self.cp_mode}" if self.cp > 1 else ""
         etp = (f" etp={self.etp}" if self.etp > 1 else "") + (" over tp" if self.ep_tp else "")
-        return f"tp={self.tp}{' sp' if self.sp else ''} ep={self.ep}{etp}{cp}"
+        cap = f" capacity={self.capacity:g}" if self.capacity else ""
+        return f"tp={self.tp}{' sp' if self.sp else ''} ep={self.ep}{etp}{cap}{cp}"
 
     def apply(self, model: nn.Module, tp_rank: int, ep_rank: int) -> nn.Module:
         # experts first: once cut by expert tensor parallelism they are TP shards, which
@@ -65,4 +72,6 @@ class ModelSharding:
         shard_experts(model, self.experts, self.ep, ep_rank, self.etp, tp_rank, self.sp,
                       spans_tp=self.tp if self.ep_tp else 1)
         shard_linears(model, self.tp_plan, self.tp, tp_rank, self.sp)
+        if self.capacity:
+            limit_capacity(model, self.experts, self.capacity, self.capacity_group)
         return model

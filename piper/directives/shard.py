@@ -36,6 +36,13 @@ class Shard(Directive):
     """Megatron's expert mesh: each group of `degree` ranks spans degree/tp replicas and
     all their tensor-parallel ranks (ShardTensor before this directive), which hold
     different experts and route their own tokens; with tensor=1."""
+    capacity: float = 0.0
+    """An expert capacity factor (GShard, Switch, Megatron's --moe-expert-capacity-factor):
+    0, dropless; else each expert keeps at most ceil(capacity x group x k / E) of each
+    sequence's routed rows, the highest-gated, and drops the rest (`piper.moe_capacity`).
+    Per sequence, so every strategy drops the same rows; not with sequence parallelism."""
+    group: int = 0
+    """Tokens per capacity group: the model's sequence length (with `capacity`)."""
     phase = 3
 
     def __post_init__(self) -> None:
@@ -51,7 +58,7 @@ class Shard(Directive):
     def apply(self, dag: TrainingDAG, index: int) -> TrainingDAG:
         if not isinstance(self.degree, int) or self.degree < 1:
             raise DirectiveError(index, self, "degree must be an int >= 1")
-        if dag.sharding.ep != 1 or dag.sharding.etp != 1 or dag.ordered:
+        if dag.sharding.experts or dag.ordered:
             raise DirectiveError(index, self, "Shard must come once, before Order")
         if dag.sharding.cp != 1:
             raise DirectiveError(index, self, "expert parallelism with context parallelism "
@@ -76,9 +83,24 @@ class Shard(Directive):
                 raise DirectiveError(index, self, f"over_tp spreads the experts over the "
                                      f"tensor-parallel ranks too: it needs ShardTensor before "
                                      f"it, a degree divisible by tp={tp} and tensor=1")
+        self._check_capacity(dag, index)
         sharding = replace(dag.sharding, ep=self.degree, experts=tuple(names),
-                           etp=self.tensor, expert_cuts=cuts, ep_tp=self.over_tp)
+                           etp=self.tensor, expert_cuts=cuts, ep_tp=self.over_tp,
+                           capacity=float(self.capacity), capacity_group=int(self.group))
         return dag.with_graph(dag.graph, sharding=sharding)
+
+    def _check_capacity(self, dag: TrainingDAG, index: int) -> None:
+        if not isinstance(self.capacity, (int, float)) or self.capacity < 0:
+            raise DirectiveError(index, self, "capacity must be a number >= 0 (0: dropless)")
+        if not self.capacity:
+            return
+        if not isinstance(self.group, int) or self.group < 1:
+            raise DirectiveError(index, self, "capacity needs group, the tokens of one "
+                                 "sequence (an int >= 1)")
+        if dag.sharding.sp:
+            raise DirectiveError(index, self, "a capacity is counted per sequence, which "
+                                 "sequence parallelism splits over the tensor-parallel "
+                                 "ranks: not supported together")
 
     def _cuts(self, dag: TrainingDAG, index: int, names: list[str]
               ) -> tuple[tuple[str, int, int], ...]:

@@ -82,7 +82,7 @@ def with_gpus_per_node(cluster: Any, per_node: int | None) -> Any:
 
 
 SHORTHAND = ("pp", "dp", "tp", "ep", "etp", "ep_over_tp", "cp", "schedule", "microbatches", "recompute",
-             "comm_stream", "bucket_mb", "sp", "zero", "virtual_stages")
+             "comm_stream", "bucket_mb", "sp", "zero", "virtual_stages", "capacity_factor")
 
 
 def apply_from(args: argparse.Namespace) -> None:
@@ -116,7 +116,8 @@ def program_of(args: argparse.Namespace, ev: Any) -> Any:
 
     if args.strategy:
         shorthand = [f for f in ("pp", "dp", "tp", "ep", "cp", "schedule", "microbatches",
-                                 "recompute", "comm_stream", "bucket_mb", "sp")
+                                 "recompute", "comm_stream", "bucket_mb", "sp",
+                                 "capacity_factor")
                      if getattr(args, f, None)]
         if shorthand:
             raise PiperError(f"--strategy and --{shorthand[0].replace('_', '-')} are "
@@ -124,7 +125,8 @@ def program_of(args: argparse.Namespace, ev: Any) -> Any:
         return _within_node(Program.load(args.strategy), ev.cluster, args.strategy)
     graph = ev.captured.graph
     return _within_node(shorthand_program(args, args.gpus, graph.names, ev.region_costs(),
-                                          graph.expert_regions), ev.cluster, None)
+                                          graph.expert_regions, ev.costs.tokens_per_sample),
+                        ev.cluster, None)
 
 
 def _within_node(program: Any, cluster: Any, path: str | None) -> Any:

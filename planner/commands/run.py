@@ -250,8 +250,11 @@ def _drive(args: argparse.Namespace, torchrun: Any) -> int:
         return 128 + stop.signum
     passed = True
     if args.check:
+        sh = plan.sharding
+        # a capacity factor changes what the model computes: single-device training with it
         ref = reference_run(spec, batch_size=batch, steps=args.steps, seed=args.seed,
-                            train=train)[done:]
+                            train=train, capacity=(sh.experts, sh.capacity, sh.capacity_group)
+                            if sh.capacity else None)[done:]
         ours = [s.loss for s in result.steps] + [evals[k] for k in sorted(evals)]
         theirs = [r.loss for r in ref] + [r.eval_loss for k, r in enumerate(ref, done + 1)
                                           if k in evals]

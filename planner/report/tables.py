@@ -31,6 +31,7 @@ def summary_line(s: dict[str, Any]) -> str:
     return (f"dp={s['dp']} pp={s['pp']} tp={s['tp']}{' sp' if s.get('sp') else ''} "
             f"ep={s['ep']}{' etp=' + str(s['etp']) if s.get('etp', 1) > 1 else ''}"
             f"{' over-tp' if s.get('ep_over_tp') else ''}"
+            f"{' capacity=' + format(s['capacity'], 'g') if s.get('capacity') else ''}"
             f"{cp_text(s)} zero={s['zero']} {schedule}mb={s['microbatches']}"
             + (" recompute" if s["recompute"] is True
                else f" recompute={s['recompute']}" if s["recompute"] else "")

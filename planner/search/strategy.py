@@ -47,8 +47,10 @@ def degrees(args: argparse.Namespace, gpus: int) -> tuple[int, int, int, int]:
 
 
 def shorthand_program(args: argparse.Namespace, gpus: int, regions: tuple[str, ...],
-                      region_costs: tuple[float, ...], expert_regions: tuple[str, ...] = ()
-                      ) -> Program:
+                      region_costs: tuple[float, ...], expert_regions: tuple[str, ...] = (),
+                      tokens: int = 0) -> Program:
+    """The program the shorthand flags describe; `tokens`: of one sequence, the group a
+    capacity factor counts over."""
     pp, dp, tp, ep = degrees(args, gpus)
     if ep > 1 and not expert_regions:
         raise PiperError(f"--ep {ep}: the model has no routed experts to split (piper.Experts, or a "
@@ -89,9 +91,13 @@ def shorthand_program(args: argparse.Namespace, gpus: int, regions: tuple[str, .
                          f"each tensor-parallel rank) or --tp ({tp})")
     if etp > 1 and not expert_regions:
         raise PiperError(f"--etp {etp}: the model has no routed experts to split")
+    capacity = getattr(args, "capacity_factor", None) or 0.0
+    if capacity:
+        _check_capacity(capacity, expert_regions, sp, cp, tokens)
     prog = schedules.shard(prog, tp=tp, ep=ep, expert_regions=expert_regions, sp=sp, cp=cp,
                            cp_attention=getattr(args, "cp_attention", None) or "ring",
-                           etp=etp, ep_over_tp=bool(getattr(args, "ep_over_tp", False)))
+                           etp=etp, ep_over_tp=bool(getattr(args, "ep_over_tp", False)),
+                           capacity=capacity, capacity_group=tokens)
     bucket = getattr(args, "bucket_mb", None)
     if bucket is not None:
         if not bucket > 0:
@@ -103,6 +109,19 @@ def shorthand_program(args: argparse.Namespace, gpus: int, regions: tuple[str, .
     if getattr(args, "comm_stream", False):
         prog = schedules.with_comm_stream(prog, args.zero or 0)
     return prog
+
+
+def _check_capacity(capacity: float, expert_regions: tuple[str, ...], sp: bool, cp: int,
+                    tokens: int) -> None:
+    if not capacity > 0:
+        raise PiperError(f"--capacity-factor must be > 0, got {capacity}")
+    if not expert_regions:
+        raise PiperError("--capacity-factor: the model has no routed experts")
+    if sp or cp > 1:
+        raise PiperError(f"--capacity-factor with {'--sp' if sp else '--cp'}: a capacity is "
+                         "counted per sequence, which that splits over ranks: not supported")
+    if tokens < 1:
+        raise PiperError("--capacity-factor: the model's sequence length is not known")
 
 
 def add_shorthand_flags(p: argparse.ArgumentParser) -> None:
@@ -122,6 +141,11 @@ def add_shorthand_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--ep-over-tp", action="store_true", default=False,
                    help="Megatron's expert mesh: each EP group of --ep ranks spans --ep/--tp "
                    "replicas and their tensor-parallel ranks, which hold different experts")
+    g.add_argument("--capacity-factor", type=float, metavar="X",
+                   help="routed experts keep at most X times their balanced share of each "
+                   "sequence's routed rows (the highest-gated) and drop the rest, as "
+                   "GShard/Switch and Megatron's --moe-expert-capacity-factor (default: "
+                   "dropless)")
     g.add_argument("--cp", type=int, help="context-parallel degree: each rank keeps 1/cp "
                    "of every sequence (two chunks, one from each end) and attention "
                    "exchanges keys and values")

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from piper.model_file import ModelSpec
+from piper.moe_capacity import limit_capacity
 from runtime.train.data import BatchSource
 from runtime.train.training import TrainConfig, make_optimizer, make_scheduler
 
@@ -21,15 +22,19 @@ class ReferenceStep:
 
 
 def reference_run(spec: ModelSpec, *, batch_size: int, steps: int, seed: int,
-                  train: TrainConfig | None = None, state: dict | None = None
+                  train: TrainConfig | None = None, state: dict | None = None,
+                  capacity: tuple[tuple[str, ...], float, int] | None = None
                   ) -> list[ReferenceStep]:
     """`steps` full-batch steps per DESIGN.md's training semantics, with `train`'s data,
     optimizer overrides, LR schedule, clipping (`clip_grad_norm_`) and precision (bf16-mixed:
     the forward under `torch.autocast(bfloat16)`, fp32 parameters and optimizer). `state`,
-    if given, receives the trained model's state dict."""
+    if given, receives the trained model's state dict. `capacity`: (experts modules, factor,
+    tokens per sequence) of an expert capacity factor (`piper.moe_capacity`)."""
     train = train or TrainConfig()
     torch.manual_seed(seed)
     model = spec.build()
+    if capacity is not None:
+        limit_capacity(model, *capacity)
     if spec.weights:
         from runtime.train.weights import load_all_weights
 

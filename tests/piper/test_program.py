@@ -156,6 +156,7 @@ def test_load_of_json_with_a_non_object_directive_raises_piper_error(tmp_path: P
 def test_summary_of_1f1b_gives_its_degrees_and_schedule() -> None:
     s = schedules.one_f_one_b(STAGES[2], microbatches=4, dp=2).summary()
     assert s == {"dp": 2, "pp": 2, "tp": 1, "sp": False, "ep": 1, "etp": 1, "ep_over_tp": False,
+                 "capacity": 0.0,
                  "cp": 1, "zero": 0,
                  "schedule": "1f1b", "virtual_stages": 1, "microbatches": 4, "recompute": False,
                  "comm_stream": False, "bucket_mb": None}

@@ -205,6 +205,11 @@ def test_shard_splits_the_experts_of_matched_regions(moe_dag) -> None:
     assert prog.summary()["ep"] == 2
     assert "Shard('experts.*', degree=2)" in prog.to_python()
     assert Program.from_json(prog.to_json()) == prog
+    capped = Program([Replicate(4), Shard("experts.*", degree=1, capacity=1.25, group=16)])
+    sh = capped.apply(moe_dag).sharding
+    assert (sh.ep, sh.capacity, sh.capacity_group, sh.trivial) == (1, 1.25, 16, False)
+    assert capped.summary()["capacity"] == 1.25
+    assert Program.from_json(capped.to_json()) == capped
 
 
 @pytest.mark.parametrize("directives, msg", [
@@ -212,6 +217,10 @@ def test_shard_splits_the_experts_of_matched_regions(moe_dag) -> None:
      "'attn.\\*' matches no region holding routed experts; those are experts.0, experts.1"),
     ([Replicate(3), Shard("experts.*", degree=3)],
      "moe.0.experts has 4 experts, not divisible by ep=3"),
+    ([Replicate(2), Shard("experts.*", degree=2, capacity=1.0)],
+     "capacity needs group, the tokens of one sequence"),
+    ([Replicate(2), Shard("experts.*", degree=2), Shard("experts.*", degree=1)],
+     "Shard must come once"),
 ])
 def test_shard_errors(moe_dag, directives, msg) -> None:
     with pytest.raises(piper.DirectiveError, match=msg):

@@ -84,6 +84,7 @@ class Layout:
     cp_attention: str = "ring"  # how context-parallel attention exchanges keys and values
     etp: int = 1  # expert tensor parallelism: 1 or tp
     ep_over_tp: bool = False  # EP groups over the tensor-parallel ranks too (Megatron's mesh)
+    capacity: float = 0.0  # expert capacity factor per sequence; 0: dropless
 
     @property
     def microbatch_size(self) -> int:
@@ -112,7 +113,7 @@ def layout(program: Program, summary: dict[str, Any], global_batch: int, gpus: i
         precision=precision, stage_layers=layers, stage_regions=regions,
         model=model_shape(spec) if spec is not None else ModelShape(),
         cp=summary.get("cp", 1), etp=summary.get("etp", 1),
-        ep_over_tp=bool(summary.get("ep_over_tp")),
+        ep_over_tp=bool(summary.get("ep_over_tp")), capacity=summary.get("capacity", 0.0),
         cp_attention=next((d.attention for d in program.directives
                            if isinstance(d, ShardSequence)), "ring"))
 

@@ -57,6 +57,13 @@ def megatron_args(lay: Layout) -> Exported:
             notes.append("experts: with --expert-tensor-parallel-size 1 Megatron also spreads "
                          "the experts over the tensor-parallel ranks (its expert mesh, EP x "
                          "ETP x EDP = TP x DP); piper-plan holds them whole on each")
+    if lay.capacity:  # its default drop policy keeps the highest-gated rows, as piper-plan
+        args += ["--moe-expert-capacity-factor", f"{lay.capacity:g}",
+                 "--moe-token-drop-policy", "probs"]
+        if lay.microbatch_size > 1:
+            notes.append(f"capacity: Megatron counts it over the {lay.microbatch_size} "
+                         "sequences a rank routes at once, piper-plan over each sequence: "
+                         "they drop the same rows at one sequence per microbatch")
     if lay.sp:
         args.append("--sequence-parallel")
     args += _pipeline(lay, notes)

@@ -103,7 +103,8 @@ def from_megatron(text: str, gpus: int) -> tuple[Shorthand, list[str]]:
                        ("--global-batch-size", int), ("--num-layers", int),
                        ("--num-layers-per-virtual-pipeline-stage", int),
                        ("--pipeline-model-parallel-layout", str),
-                       ("--recompute-granularity", str), ("--cp-comm-type", str)):
+                       ("--recompute-granularity", str), ("--cp-comm-type", str),
+                       ("--moe-expert-capacity-factor", float)):
         p.add_argument(flag, type=kind)
     for flag in ("--sequence-parallel", "--use-distributed-optimizer", "--use-torch-fsdp2",
                  "--overlap-grad-reduce"):
@@ -148,7 +149,7 @@ def from_megatron(text: str, gpus: int) -> tuple[Shorthand, list[str]]:
              "etp": etp,
              # its expert mesh: with ETP 1 the EP groups span the tensor-parallel ranks
              "ep_over_tp": etp == 1 and tp > 1 and (a.expert_model_parallel_size or 1) > 1,
-             "cp": cp,
+             "capacity_factor": a.moe_expert_capacity_factor, "cp": cp,
              "cp_attention": "all_gather" if a.cp_comm_type == "all_gather" else "ring",
              "zero": zero, "schedule": schedule,
              "virtual_stages": v, "microbatches": microbatches, "recompute": recompute,

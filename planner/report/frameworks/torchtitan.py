@@ -61,6 +61,9 @@ def torchtitan_config(lay: Layout) -> Exported:
     if lay.comm_stream and lay.zero == 0:
         notes.append("comm stream: DDP overlaps its bucketed all-reduces with the backward "
                      "on its own; nothing to set")
+    if lay.capacity:
+        notes.append(f"capacity factor {lay.capacity:g}: torchtitan's experts are dropless; "
+                     "nothing drops there")
     block = lay.model.layer_mib / lay.tp
     if lay.bucket_mb and lay.zero and not abs(lay.bucket_mb - block) <= 0.05 * block:
         notes.append(f"buckets of {lay.bucket_mb:g} MiB: torchtitan wraps one FSDP unit per "

@@ -193,6 +193,11 @@ BAD = {
                            "--ep", "2", "--etp", "4"], ("--etp 4", "or --tp (2)")),
     "expert mesh over no tp": (["simulate", MOE, *TINY, "--gpus", "2", "--dp", "2", "--ep",
                                 "2", "--ep-over-tp"], ("--ep-over-tp", "needs --tp > 1")),
+    "capacity with sp": (["simulate", MOE, *TINY, "--gpus", "4", "--tp", "2", "--dp", "2",
+                          "--sp", "--ep", "2", "--capacity-factor", "1"],
+                         ("--capacity-factor with --sp", "not supported")),
+    "capacity without experts": ([*SIM, "--gpus", "2", "--capacity-factor", "1.25"],
+                                 ("--capacity-factor: the model has no routed experts",)),
     # clusters and flags
     "unknown cluster": ([*SIM, "--gpus", "2", "--cluster", "tpu-v9"],
                         ("unknown cluster 'tpu-v9'", "known: ")),

@@ -275,6 +275,15 @@ def test_expert_degrees_are_exported_and_read_back(spec, titan_manager, tmp_path
         assert (par.expert_parallel_degree, par.expert_tensor_parallel_degree) == (2, 4)
     whole = dataclasses.replace(lay, etp=1)  # experts whole on each TP rank: said
     assert any("expert mesh" in n for n in TARGETS["megatron"](whole).notes)
+    # a capacity factor: Megatron's, dropping the lowest-gated rows as piper-plan does
+    capped = dataclasses.replace(lay, capacity=1.25)
+    args = shlex.split(TARGETS["megatron"](capped).text)
+    value = {a: b for a, b in itertools.pairwise(args) if a.startswith("--")}
+    assert not {a for a in args if a.startswith("--")} - set(MEGATRON["options"])
+    assert (value["--moe-expert-capacity-factor"], value["--moe-token-drop-policy"]) == (
+        "1.25", "probs")
+    assert from_megatron(TARGETS["megatron"](capped).text, GPUS)[0]["capacity_factor"] == 1.25
+    assert any("dropless" in n for n in TARGETS["torchtitan"](capped).notes)
 
 
 def test_hugging_face_moe_models_map_to_the_targets_moe_models(titan_manager, tmp_path):

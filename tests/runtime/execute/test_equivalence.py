@@ -211,3 +211,20 @@ def test_different_seed_changes_losses(ray_session, capsys):
     _, a = run_json(capsys, [*argv, "--seed", "0"])
     _, b = run_json(capsys, [*argv, "--seed", "1"])
     assert a["steps"][0]["loss"] != b["steps"][0]["loss"]
+
+
+def test_a_capacity_factor_drops_the_same_rows_under_every_strategy(ray_session, capsys):
+    """--capacity-factor 0.5 drops routed rows (the losses are not dropless training's),
+    and every strategy trains as single-device training with that capacity does, whether
+    replicas, EP ranks or microbatches split the batch."""
+    spec = load_model_file(MOE[0], parse_model_args(MOE[2::2]))
+    dropless = reference_run(spec, batch_size=spec.batch_size, steps=3, seed=0)
+    for flags in (["--gpus", "4", "--dp", "2", "--pp", "2", "--ep", "2", "--microbatches",
+                   "2"], ["--gpus", "2", "--dp", "2", "--microbatches", "2"]):
+        rc, out = run_json(capsys, ["run", *MOE, *flags, "--capacity-factor", "0.5",
+                                    "--device", "cpu", "--steps", "3", "--seed", "0",
+                                    "--check", "--json"])
+        assert rc == 0 and out["check"]["passed"], out.get("check")
+        assert out["summary"]["capacity"] == 0.5
+        losses = [s["loss"] for s in out["steps"]]
+        assert max_rel_diff(losses, [r.loss for r in dropless]) > 1e-3, "nothing dropped"

@@ -87,6 +87,10 @@ class PipelineSpace(SearchSpace):
     point's `variants` (it changes memory and communication, never which points exist)."""
     sp_with_tp: bool = False
     """Every point with tp > 1 runs sequence parallelism (torchtitan's TP always does)."""
+    buckets_with_stream: bool = False
+    """Buckets only where the gradient collectives overlap the backward on a stream of
+    their own, one collective per stage otherwise (Megatron's DDP: --ddp-bucket-size applies
+    with --overlap-grad-reduce; without, all gradients make one bucket)."""
     expert_count: int = 0
     """The gcd of the experts modules' expert counts (0: no experts): points with tp > 1
     and ep > 1 also run as Megatron's expert mesh (ep x tp over the TP ranks), one of
@@ -221,6 +225,9 @@ class PipelineSpace(SearchSpace):
                 out.append(other)
         if 0 not in self.buckets and len(out) > 1:  # only the sizes given (a framework's)
             out = out[1:]
+        if self.buckets_with_stream:
+            out = [p for p in out if bool(p.get("bucket_mb")) == bool(p.get("comm_stream"))
+                   ] or out
         if self.sp_with_tp and point.get("tp", 1) > 1:
             out = [{**p, "sp": True} for p in out]
         elif True in self.sps and point.get("tp", 1) > 1 and not point.get("sp"):

@@ -50,8 +50,9 @@ TARGETS: dict[str, dict[str, Any]] = {
     "torchtitan": {"zeros": (0, 2, 3), "recomputes": (False, True, "op"), "sp_with_tp": True,
                    "units": "layer"},
     # Megatron-LM: DDP or the distributed optimizer (ZeRO-1), FSDP2 (ZeRO-3) without a
-    # pipeline; 1F1B and interleaved 1F1B; full or selective (core attention) recompute
-    "megatron": {"zeros": (0, 1, 3), "max_zero_in_pipeline": 1,
+    # pipeline; 1F1B and interleaved 1F1B; full or selective (core attention) recompute;
+    # gradient buckets only with --overlap-grad-reduce
+    "megatron": {"zeros": (0, 1, 3), "max_zero_in_pipeline": 1, "buckets_with_stream": True,
                  "schedules": ("1f1b", "interleaved-1f1b"),
                  "recomputes": (False, True, "attention")},
     # DeepSpeed: no tensor or expert parallelism of its own, ZeRO 0-1 beside a pipeline,

@@ -2,7 +2,8 @@
 
 train_batch_size = train_micro_batch_size_per_gpu x gradient_accumulation_steps x the
 data-parallel size, which DeepSpeed checks; zero_optimization.stage with its buckets
-(reduce_bucket_size, bytes) and overlap_comm; bf16; gradient_clipping. A pipeline is
+(reduce_bucket_size and allgather_bucket_size count elements) and overlap_comm; bf16;
+gradient_clipping. A pipeline is
 DeepSpeed's `PipelineModule(layers, num_stages=pp)` in the training script (the launch
 note says so): its engine runs one schedule (1F1B-like), and only ZeRO stages 0-1 beside
 it. DeepSpeed's engine has no tensor parallelism of its own.
@@ -48,9 +49,11 @@ def deepspeed_config(lay: Layout) -> Exported:
                         is not True else "full"))
     zero_cfg: dict = {"stage": zero, "overlap_comm": bool(lay.comm_stream or zero == 3),
                       "contiguous_gradients": True}
-    if lay.bucket_mb:
-        size = int(lay.bucket_mb * 2**20)
+    if lay.bucket_mb:  # DeepSpeed counts elements: the fp32 MiB as a gradient count
+        size = int(lay.bucket_mb * 2**20 // 4)
         zero_cfg.update(reduce_bucket_size=size, allgather_bucket_size=size)
+        if zero == 3:
+            zero_cfg["stage3_prefetch_bucket_size"] = size
     config = {
         "train_batch_size": lay.global_batch,
         "train_micro_batch_size_per_gpu": lay.microbatch_size,

@@ -119,9 +119,15 @@ def _data_parallel(lay: Layout, notes: list[str]) -> list[str]:
         out.append("--overlap-grad-reduce")
         if lay.zero in (1, 2):
             out.append("--overlap-param-gather")
-    if lay.bucket_mb:
-        notes.append(f"buckets of {lay.bucket_mb:g} MiB: Megatron sizes its own "
-                     "(--ddp-bucket-size is in elements); left at its default")
+    if lay.bucket_mb and lay.comm_stream:  # in elements: the fp32 MiB as gradient count
+        out += ["--ddp-bucket-size", str(int(lay.bucket_mb * 2**20 // 4))]
+    elif lay.bucket_mb:
+        notes.append(f"buckets of {lay.bucket_mb:g} MiB: Megatron's DDP buckets only with "
+                     "--overlap-grad-reduce; nearest: one bucket after the backward")
+    elif lay.comm_stream and lay.dp > 1:
+        notes.append("one collective per stage under the backward: Megatron buckets its "
+                     "overlapped gradients (max(40M, 1M x dp) parameters unless "
+                     "--ddp-bucket-size is given); nearest: that default")
     return out
 
 

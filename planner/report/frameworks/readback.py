@@ -104,7 +104,7 @@ def from_megatron(text: str, gpus: int) -> tuple[Shorthand, list[str]]:
                        ("--num-layers-per-virtual-pipeline-stage", int),
                        ("--pipeline-model-parallel-layout", str),
                        ("--recompute-granularity", str), ("--cp-comm-type", str),
-                       ("--moe-expert-capacity-factor", float)):
+                       ("--moe-expert-capacity-factor", float), ("--ddp-bucket-size", int)):
         p.add_argument(flag, type=kind)
     for flag in ("--sequence-parallel", "--use-distributed-optimizer", "--use-torch-fsdp2",
                  "--overlap-grad-reduce"):
@@ -154,6 +154,10 @@ def from_megatron(text: str, gpus: int) -> tuple[Shorthand, list[str]]:
              "zero": zero, "schedule": schedule,
              "virtual_stages": v, "microbatches": microbatches, "recompute": recompute,
              "comm_stream": a.overlap_grad_reduce and dp > 1 and zero < 3,
+             # buckets count gradient elements (fp32 MiB here); only with the overlap
+             "bucket_mb": (round(4 * a.ddp_bucket_size / 2**20, 3)
+                           if a.ddp_bucket_size and a.overlap_grad_reduce and dp > 1
+                           and zero < 3 else None),
              "batch_size": a.global_batch_size, "unit_per_layer": zero == 3}, [])
 
 

@@ -137,6 +137,27 @@ def test_megatron_arguments_are_its_options_and_add_up(name, spec):
             lay.stage_layers)
 
 
+def test_gradient_buckets_are_written_as_each_framework_counts_them(spec, monkeypatch):
+    """A bucket of 100 MiB of fp32 gradients is 26,214,400 elements: Megatron's
+    --ddp-bucket-size (with --overlap-grad-reduce, which alone buckets) and DeepSpeed's
+    reduce_bucket_size both count elements."""
+    import dataclasses
+
+    lay = dataclasses.replace(_strategy("pp4_1f1b_ddp", spec), comm_stream=True,
+                              bucket_mb=100.0)
+    args = shlex.split(TARGETS["megatron"](lay).text)
+    value = {a: b for a, b in itertools.pairwise(args) if a.startswith("--")}
+    assert value["--ddp-bucket-size"] == "26214400" and "--overlap-grad-reduce" in args
+    assert from_megatron(TARGETS["megatron"](lay).text, GPUS)[0]["bucket_mb"] == 100.0
+    in_line = dataclasses.replace(lay, comm_stream=False)  # Megatron: one bucket then
+    assert "--ddp-bucket-size" not in TARGETS["megatron"](in_line).text
+    assert any("one bucket" in n for n in TARGETS["megatron"](in_line).notes)
+    one = dataclasses.replace(lay, zero=1, pp=1, stage_layers=(32,), dp=16, microbatches=2,
+                              schedule="none")
+    zero = json.loads(TARGETS["deepspeed"](one).text)["zero_optimization"]
+    assert (zero["reduce_bucket_size"], zero["overlap_comm"]) == (26214400, True)
+
+
 @pytest.mark.parametrize("name", ["fsdp", "pp4_1f1b_ddp"])
 def test_deepspeed_accepts_the_config_and_its_batch(name, spec, monkeypatch):
     lay = _strategy(name, spec)
@@ -247,6 +268,8 @@ def test_a_targeted_search_tries_only_what_the_framework_runs(target, tmp_path, 
         elif target == "megatron":
             assert zero in (0, 1, 3) and not (pp > 1 and zero == 3)
             assert r["schedule"] in ("none", "1f1b", "interleaved-1f1b")
+            # its DDP buckets only overlapped gradients (--overlap-grad-reduce)
+            assert r["bucket_mb"] in ("", "0") or r["comm_stream"] == "True", r
         else:
             assert tp == 1 and not (pp > 1 and zero > 1)
             assert r["schedule"] in ("none", "1f1b")

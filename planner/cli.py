@@ -119,6 +119,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a rank silent for S seconds (a stopped process) or a step in which "
                         "no rank moves on for S seconds is named as hung, exit 3 (default: "
                         "20 median steps, at least 60 s; --launcher ray)")
+    r.add_argument("--elastic", action="store_true",
+                   help="when a node is lost or a rank hangs, plan for the devices left and "
+                        "go on from the newest checkpoint (at the same global batch); when "
+                        "nodes join, plan upward at the next checkpoint (--launcher ray)")
+    r.add_argument("--replan-budget", type=float, metavar="S",
+                   help="seconds an --elastic re-plan may search (default 60)")
 
     m = model_cmd("simulate", "predict step time and memory of a strategy")
     m.add_argument("--precision", choices=PRECISIONS, help=planned)

@@ -195,6 +195,17 @@ class Hosts:
         raise RuntimeError(f"the head did not count {n} live nodes within {START_S:.0f} s: "
                            f"see {self.logs}")
 
+    def restart(self, i: int) -> None:
+        """Host `i` anew: its PID namespace ended and Ray started again, joining the head
+        (a replaced node coming back)."""
+        old = self.procs[i]
+        with contextlib.suppress(ProcessLookupError):
+            old.kill()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            old.wait(timeout=30)
+        self._start(i)
+        self.procs[i] = self.procs.pop()
+
     def kill_raylet(self, i: int) -> list[int]:
         """SIGKILL host `i`'s raylet, as when the host dies; the pids killed."""
         pids = _sh("ip", "netns", "pids", self.names[i]).stdout.split()

@@ -7,13 +7,23 @@ only the first imports Ray."""
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import os
 import signal
 import sys
 import threading
+import time
 from typing import Any, Self
 
 from piper.errors import PiperError
+from planner.commands.elastic import (
+    Grown,
+    check_elastic,
+    checkpoint_advice,
+    grown,
+    replanned,
+)
 from runtime.train.training import PRECISIONS, SCHEDULES, TrainConfig
 
 CHECK_RTOL = {"fp32": 1e-4, "bf16-mixed": 2e-2, "bf16": 5e-2}
@@ -162,6 +172,7 @@ def _drive(args: argparse.Namespace, torchrun: Any) -> int:
     if (args.checkpoint_every or args.resume) and not args.checkpoint_dir:
         flag = "--resume" if args.resume else "--checkpoint-every"
         raise PiperError(f"{flag} needs --checkpoint-dir")
+    check_elastic(args)
     device = device_of(args)
     _check_launch(args, device, torchrun)
     train = train_config(args, device)
@@ -196,40 +207,84 @@ def _drive(args: argparse.Namespace, torchrun: Any) -> int:
     predicted = predicted_of(args.strategy) if args.strategy else None
     evals: dict[int, float] = {}  # step: loss on the evaluation data after it
     stop = StopSignals()
+    gpus, said_s = args.gpus, None  # devices, and the strategy's predicted step (s)
+    start = done  # the step this invocation trains from
+    changes: list[Any] = []  # an elastic run's re-plans
+    advised = False  # the checkpoint interval, said once
+    nodes: tuple[str, ...] = ()  # per rank of the job, its node
+    trained: list[Any] = []  # the run's steps, across the jobs of an elastic run
     try:
-        # the handlers go in after the job: joining Ray installs Ray's own for SIGTERM
-        with _job(args, spec, plan, batch, device, train, done, torchrun) as job, stop:
-            if len(set(job.nodes)) > 1:
-                log(f"ranks on {len(set(job.nodes))} nodes: {describe_nodes(job.nodes)}")
-            if folder is not None:
-                job.restore(str(folder))
-            for k in range(done, args.steps):
-                s = job.step()
-                row = {"step": s.step, "loss": s.loss, "grad_norm": s.grad_norm, "lr": s.lr,
-                       "time_s": s.time_s, "tokens_per_s": tokens / s.time_s,
-                       "mfu": flops / s.time_s / (peak * args.gpus) if peak else None,
-                       "peak_memory_bytes": list(s.peak_memory_bytes)}
-                if train.evaluates_after(s.step, args.steps):
-                    row["eval_loss"] = evals[s.step] = job.evaluate(train.eval_steps)
-                print(_progress(row, args.steps, predicted), file=sys.stderr, flush=True)
-                predicted = None  # said once, beside the first step
-                if metrics:
-                    metrics.write(row)
-                last = k + 1 == args.steps or stop.signum is not None
-                if args.checkpoint_dir and ((args.checkpoint_every and (k + 1) %
-                                             args.checkpoint_every == 0) or last):
-                    path = job.save(args.checkpoint_dir, info)
-                    log(f"checkpoint: {path}")
-                if stop.signum is not None:
-                    log(stop.said(s.step, args.checkpoint_dir))
+        with _one_ray(args, spec):
+            while True:
+                try:
+                    # the handlers go in after the job: joining Ray installs its own for
+                    # SIGTERM
+                    with _job(args, spec, plan, batch, device, train, done,
+                              torchrun) as job, stop:
+                        nodes = job.nodes
+                        if len(set(job.nodes)) > 1:
+                            log(f"ranks on {len(set(job.nodes))} nodes: "
+                                f"{describe_nodes(job.nodes)}")
+                        if folder is not None:
+                            job.restore(str(folder))
+                        for k in range(done, args.steps):
+                            s = job.step()
+                            trained.append(s)
+                            row = {"step": s.step, "loss": s.loss, "grad_norm": s.grad_norm,
+                                   "lr": s.lr, "time_s": s.time_s,
+                                   "tokens_per_s": tokens / s.time_s,
+                                   "mfu": flops / s.time_s / (peak * gpus) if peak else None,
+                                   "peak_memory_bytes": list(s.peak_memory_bytes)}
+                            if train.evaluates_after(s.step, args.steps):
+                                row["eval_loss"] = evals[s.step] = job.evaluate(
+                                    train.eval_steps)
+                            print(_progress(row, args.steps, predicted), file=sys.stderr,
+                                  flush=True)
+                            predicted = None  # said once, beside the first step
+                            if metrics:
+                                metrics.write(row)
+                            last = k + 1 == args.steps or stop.signum is not None
+                            if args.checkpoint_dir and ((args.checkpoint_every and (k + 1) %
+                                                         args.checkpoint_every == 0) or last):
+                                t0 = time.perf_counter()
+                                path = job.save(args.checkpoint_dir, info)
+                                log(f"checkpoint: {path}")
+                                if args.elastic and not advised:
+                                    advised = True
+                                    log(checkpoint_advice(time.perf_counter() - t0, s.time_s,
+                                                          gpus, args.checkpoint_every))
+                                if args.elastic and not last:
+                                    grown(args, device, gpus)  # more nodes: plan upward
+                            if stop.signum is not None:
+                                log(stop.said(s.step, args.checkpoint_dir))
+                                break
+                        result = job.finish(orderly=stop.signum is None)
                     break
-            result = job.finish(orderly=stop.signum is None)
+                except (RuntimeFailure, Grown) as e:
+                    if not args.elastic or not (isinstance(e, Grown) or e.lost or e.hung):
+                        raise
+                    again = replanned(args, spec, batch, device, train.precision, e, gpus,
+                                      summary, nodes, trained[-1].step if trained else done,
+                                      said_s)
+                    gpus, program, plan, done, folder = again[:5]
+                    said_s = again.change.new_s
+                    changes.append(again.change)
+                    summary = program.summary()
+                    info["strategy"] = summary
+                    trained = [s for s in trained if s.step <= done]
+                    evals = {k: v for k, v in evals.items() if k <= done}
+                    if metrics:  # steps after the checkpoint are trained again
+                        metrics.close()
+                        metrics = MetricsLog(args.log_dir, gpus, after=done)
+                        metrics.event(again.change.record(), again.change.line())
     except RuntimeFailure as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_RUNTIME
     finally:
         if metrics:
             metrics.close()
+    if args.elastic:  # its steps may come from several jobs
+        result = dataclasses.replace(result, steps=tuple(trained))
     if args.trace:
         write_trace(result.spans, args.trace)
     out: dict[str, Any] = {
@@ -242,6 +297,8 @@ def _drive(args: argparse.Namespace, torchrun: Any) -> int:
         "precision": train.precision,
         "nodes": list(result.nodes),  # per rank: its node's IP address
     }
+    if args.elastic:
+        out["replans"] = [c.record() for c in changes]
     if stop.signum is not None:  # a partial run: nothing to check against
         out["stopped"] = {"signal": signal.Signals(stop.signum).name,
                           "after_step": result.steps[-1].step if result.steps else done}
@@ -254,9 +311,9 @@ def _drive(args: argparse.Namespace, torchrun: Any) -> int:
         # a capacity factor changes what the model computes: single-device training with it
         ref = reference_run(spec, batch_size=batch, steps=args.steps, seed=args.seed,
                             train=train, capacity=(sh.experts, sh.capacity, sh.capacity_group)
-                            if sh.capacity else None)[done:]
+                            if sh.capacity else None)[start:]
         ours = [s.loss for s in result.steps] + [evals[k] for k in sorted(evals)]
-        theirs = [r.loss for r in ref] + [r.eval_loss for k, r in enumerate(ref, done + 1)
+        theirs = [r.loss for r in ref] + [r.eval_loss for k, r in enumerate(ref, start + 1)
                                           if k in evals]
         diff = max_rel_diff(ours, theirs)  # type: ignore[arg-type]
         passed = diff <= CHECK_RTOL[train.precision]
@@ -328,6 +385,16 @@ def _check_launch(args: argparse.Namespace, device: str, torchrun: Any) -> None:
     from runtime.cluster.jobs import check_machine
 
     check_machine(args.gpus, device, "--launcher ray --address joins a cluster with more")
+
+
+def _one_ray(args: argparse.Namespace, spec: Any) -> Any:
+    """An elastic run's jobs share one connection to Ray, which it asks about the nodes
+    between them."""
+    if not args.elastic:
+        return contextlib.nullcontext()
+    from runtime.cluster.join import joined
+
+    return joined(args.address, [spec.source[0]])
 
 
 def _job(args: argparse.Namespace, spec: Any, plan: Any, batch: int, device: str,

@@ -53,6 +53,7 @@ TARGETS: dict[str, dict[str, Any]] = {
     # pipeline; 1F1B and interleaved 1F1B; full or selective (core attention) recompute;
     # gradient buckets only with --overlap-grad-reduce
     "megatron": {"zeros": (0, 1, 3), "max_zero_in_pipeline": 1, "buckets_with_stream": True,
+                 "buckets": (0, *BUCKETS_MB[1:], 152.588),  # and its default: 40M parameters
                  "schedules": ("1f1b", "interleaved-1f1b"),
                  "recomputes": (False, True, "attention")},
     # DeepSpeed: no tensor or expert parallelism of its own, ZeRO 0-1 beside a pipeline,

@@ -27,7 +27,14 @@ CPU_WORKER_BYTES = 512 * 2**20  # a CPU worker process: torch, Ray, a small mode
 
 
 class RuntimeFailure(Exception):
-    """A worker died or timed out (exit code 3); the message names the rank."""
+    """A worker died or timed out (exit code 3); the message names the rank. `lost`: the
+    nodes (IP addresses) the failure took out, if it was the loss of whole nodes; `hung`:
+    it was a hang (a rank or a step that stopped moving on), not a crash."""
+
+    def __init__(self, message: str, lost: tuple[str, ...] = (), hung: bool = False) -> None:
+        super().__init__(message)
+        self.lost = lost
+        self.hung = hung
 
 
 @dataclass(frozen=True)

@@ -247,8 +247,8 @@ class _Waiter:
                 try:
                     out[rank_of[ref]] = ray.get(ref)
                 except RayError as e:
-                    raise RuntimeFailure(self._failed(rank_of[ref], e, pending, rank_of, what)
-                                         ) from None
+                    raise RuntimeFailure(*self._failed(rank_of[ref], e, pending, rank_of,
+                                                       what)) from None
             if not ready and pending:
                 self._check_hang(sorted(rank_of[ref] for ref in pending), what)
         return [out[r] for r in range(len(refs))]
@@ -264,7 +264,7 @@ class _Waiter:
             lost = self._lost_nodes({}, reports)
             if lost:
                 raise RuntimeFailure("; ".join(self._describe_lost(node, ranks, reports, what)
-                                               for node, ranks in lost.items()))
+                                               for node, ranks in lost.items()), tuple(lost))
             r = silent[0]
             others = [o for o in pending if o != r]
             raise RuntimeFailure(
@@ -272,16 +272,19 @@ class _Waiter:
                 f"{reports[r].describe()}: no word from it in {reports[r].age_s:.0f} s "
                 f"(hang timeout {after:.0f} s)"
                 + (f"; still running: {self._where_all(others, what, reports)}" if others
-                   else ""))
+                   else ""), hung=True)
         # a step's tasks: known to be shorter than a step once one was timed (or said)
         timed = self.job.hang_timeout_s is not None or bool(self.job.results)
         stuck = [r for r in pending if r in reports and reports[r].still_s > after]
         if (self.hang and timed and what.startswith("step") and stuck
                 and len(stuck) == len(pending)):
             raise RuntimeFailure(f"no rank moved on in {after:.0f} s of {what} (hang "
-                                 f"timeout): {self._where_all(stuck, what, reports)}")
+                                 f"timeout): {self._where_all(stuck, what, reports)}",
+                                 hung=True)
 
-    def _failed(self, rank: int, err: RayError, pending: list, rank_of: dict, what: str) -> str:
+    def _failed(self, rank: int, err: RayError, pending: list, rank_of: dict, what: str
+                ) -> tuple[str, tuple[str, ...]]:
+        """The failure's message, and the nodes it lost (empty: ranks alone failed)."""
         errors = {rank: err}
 
         def collect(pending: list, timeout: float) -> list:
@@ -323,7 +326,7 @@ class _Waiter:
         still = sorted(rank_of[ref] for ref in pending if rank_of[ref] not in gone)
         if still:
             msg += "; still running: " + self._where_all(still, what, reports)
-        return msg
+        return msg, tuple(lost)
 
     def _lost_nodes(self, errors: dict[int, RayError], reports: dict[int, Progress]
                     ) -> dict[str, list[int]]:

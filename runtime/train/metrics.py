@@ -45,6 +45,14 @@ class MetricsLog:
         self.jsonl.write(json.dumps(row) + "\n")
         self.jsonl.flush()
 
+    def event(self, record: dict[str, Any], text: str) -> None:
+        """Something that happened to the run (an elastic re-plan): a record in
+        metrics.jsonl and a TensorBoard text event, at the step it goes on from."""
+        self.writer.add_text(f"run/{record.get('event', 'event')}", text, record["step"])
+        self.writer.flush()
+        self.jsonl.write(json.dumps(record) + "\n")
+        self.jsonl.flush()
+
     def close(self) -> None:
         self.writer.close()
         self.jsonl.close()

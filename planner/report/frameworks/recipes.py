@@ -33,6 +33,14 @@ class Recipe:
     schedule: str = "1f1b"
     v: int = 1
     units: bool = False  # FSDP units of one transformer block
+    ddp_buckets: bool = False  # Megatron's DDP buckets (`megatron_bucket_mb`)
+
+
+def megatron_bucket_mb(dp: int) -> float:
+    """MiB (fp32 gradients) of Megatron-Core DDP's default bucket with its gradient
+    reduction overlapped: max(40M, 1M x dp) parameters (`DistributedDataParallelConfig.
+    bucket_size`); without the overlap it makes one bucket."""
+    return round(4 * max(40_000_000, 1_000_000 * dp) / 2**20, 3)
 
 
 def recipes(target: str, params: float) -> list[Recipe]:
@@ -45,10 +53,12 @@ def recipes(target: str, params: float) -> list[Recipe]:
         return [Recipe("torchtitan's default: FSDP + TP 8 + PP 8", 8, 8, 3, units=True)]
     if target == "megatron":
         if params < 20e9:
-            return [Recipe("Megatron's recipe: tp1", 1, 1, 1)]
+            return [Recipe("Megatron's recipe: tp1", 1, 1, 1, ddp_buckets=True)]
         if params < 200e9:
-            return [Recipe("Megatron's recipe: tp4 pp8 vp5", 4, 8, 1, "interleaved-1f1b", 5)]
-        return [Recipe("Megatron's recipe: tp8 pp8 vp8", 8, 8, 1, "interleaved-1f1b", 8)]
+            return [Recipe("Megatron's recipe: tp4 pp8 vp5", 4, 8, 1, "interleaved-1f1b", 5,
+                           ddp_buckets=True)]
+        return [Recipe("Megatron's recipe: tp8 pp8 vp8", 8, 8, 1, "interleaved-1f1b", 8,
+                       ddp_buckets=True)]
     return [Recipe("DeepSpeed's default: ZeRO-3", 1, 1, 3)]
 
 
@@ -86,7 +96,8 @@ def best_setting(r: Recipe, evaluator: Any, unit_mb: float
                 schedule=r.schedule if r.pp > 1 else "none",
                 virtual_stages=r.v if r.v > 1 else None,
                 microbatches=ev.batch_size // (dp * mbs), recompute=recompute,
-                bucket_mb=unit_mb if r.units and dp > 1 else None,
+                bucket_mb=(unit_mb if r.units and dp > 1 else megatron_bucket_mb(dp)
+                           if r.ddp_buckets and dp > 1 and r.zero < 3 else None),
                 comm_stream=dp > 1 and r.zero < 3, sp=r.tp > 1)
             try:
                 e = ev.evaluate(shorthand_program(args, ev.gpus, ev.graph.names,

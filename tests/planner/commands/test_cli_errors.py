@@ -198,6 +198,13 @@ BAD = {
                          ("--capacity-factor with --sp", "not supported")),
     "capacity without experts": ([*SIM, "--gpus", "2", "--capacity-factor", "1.25"],
                                  ("--capacity-factor: the model has no routed experts",)),
+    "elastic without checkpoints": ([*RUN, "--gpus", "1", "--elastic"],
+                                    ("--elastic goes on from the newest checkpoint",)),
+    "elastic without ray": ([*RUN, "--gpus", "1", "--elastic", "--launcher", "local",
+                             "--checkpoint-dir", "{out}", "--checkpoint-every", "2"],
+                            ("--elastic re-plans over a Ray cluster's nodes",)),
+    "replan budget without elastic": ([*RUN, "--gpus", "1", "--replan-budget", "5"],
+                                      ("--replan-budget bounds --elastic's re-planning",)),
     # clusters and flags
     "unknown cluster": ([*SIM, "--gpus", "2", "--cluster", "tpu-v9"],
                         ("unknown cluster 'tpu-v9'", "known: ")),

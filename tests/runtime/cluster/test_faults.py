@@ -6,6 +6,7 @@ process behind. Real processes, real signals; nothing here is mocked."""
 from __future__ import annotations
 
 import _thread
+import contextlib
 import json
 import os
 import re
@@ -232,3 +233,35 @@ def test_killed_worker_then_resume_loses_no_step(ray_session, capsys, tmp_path):
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert rc == 0 and out["check"]["passed"]
     assert [s["step"] for s in out["steps"]] == [done + 1, done + 2]
+
+
+def test_elastic_run_goes_on_past_a_hang_from_its_checkpoint(ray_session, capsys, tmp_path):
+    """--elastic: a rank stopped mid-run is named within --hang-timeout, the run re-plans
+    for the devices it has and goes on from the newest checkpoint; every step's loss is
+    single-device training's (--check), and the change is recorded."""
+    logs = tmp_path / "logs"
+    argv = [*RUN[:-3], "--steps", "30", "--json", "--elastic", "--hang-timeout", "6",
+            "--checkpoint-dir", str(tmp_path / "ckpt"), "--checkpoint-every", "2",
+            "--replan-budget", "5", "--log-dir", str(logs), "--check"]
+    s = Saboteur(rank=1, at_step=3, act=lambda p: os.kill(p.pid, signal.SIGSTOP))
+    s.start()
+    try:
+        rc = main(argv)
+    finally:
+        s.stop = True
+        if s.progress:  # the run's teardown killed it already, unless it failed
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(s.progress.pid, signal.SIGKILL)
+    cap = capsys.readouterr()
+    assert s.at is not None, "the run ended before the fault was injected"
+    assert rc == 0, cap.err
+    out = json.loads(cap.out.strip().splitlines()[-1])
+    assert out["check"]["passed"] and [x["step"] for x in out["steps"]] == list(range(1, 31))
+    assert re.search(r"elastic: rank 1 \(pid \d+\) stopped responding", cap.err), cap.err
+    (change,) = out["replans"]
+    assert change["step"] % 2 == 0 and change["new_gpus"] == 2
+    assert re.search(rf"elastic: a hang after step \d+: from the checkpoint of step "
+                     rf"{change['step']}", cap.err), cap.err
+    events = [json.loads(line) for line in (logs / "metrics.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in events if "loss" in e] == list(range(1, 31))
+    assert [e["event"] for e in events if "event" in e] == ["replan"]

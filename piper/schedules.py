@@ -301,7 +301,7 @@ def shard(program: Program, *, tp: int = 1, ep: int = 1,
         extra.append(ShardTensor(tp, sequence_parallel=sp))
     if ep > 1 or etp > 1 or capacity:
         extra.append(Shard(tuple(expert_regions), degree=ep, tensor=etp, over_tp=ep_over_tp,
-                           capacity=capacity, group=capacity_group))
+                           capacity=capacity, group=capacity_group if capacity else 0))
     if cp > 1:
         extra.append(ShardSequence(cp, attention=cp_attention))
     return _insert(program, extra)

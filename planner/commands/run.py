@@ -13,17 +13,11 @@ import os
 import signal
 import sys
 import threading
-import time
 from typing import Any, Self
 
 from piper.errors import PiperError
-from planner.commands.elastic import (
-    Grown,
-    check_elastic,
-    checkpoint_advice,
-    grown,
-    replanned,
-)
+from planner.commands.elastic import Grown, check_elastic, replanned
+from planner.commands.steps import StepLoop
 from runtime.train.training import PRECISIONS, SCHEDULES, TrainConfig
 
 CHECK_RTOL = {"fp32": 1e-4, "bf16-mixed": 2e-2, "bf16": 5e-2}
@@ -204,15 +198,12 @@ def _drive(args: argparse.Namespace, torchrun: Any) -> int:
     log(f"running {summary_line(summary)} on {args.gpus} {device} workers, {train.precision}"
         + (f", from {folder} (step {done})" if folder else ""))
     metrics = MetricsLog(args.log_dir, args.gpus, after=done) if args.log_dir else None
-    predicted = predicted_of(args.strategy) if args.strategy else None
-    evals: dict[int, float] = {}  # step: loss on the evaluation data after it
     stop = StopSignals()
-    gpus, said_s = args.gpus, None  # devices, and the strategy's predicted step (s)
-    start = done  # the step this invocation trains from
+    loop = StepLoop(args, train, device, info, stop, metrics, tokens, flops, peak, args.gpus,
+                    predicted_of(args.strategy) if args.strategy else None, _progress)
+    start, said_s = done, None  # the step this invocation trains from; the predicted step
     changes: list[Any] = []  # an elastic run's re-plans
-    advised = False  # the checkpoint interval, said once
     nodes: tuple[str, ...] = ()  # per rank of the job, its node
-    trained: list[Any] = []  # the run's steps, across the jobs of an elastic run
     try:
         with _one_ray(args, spec):
             while True:
@@ -222,60 +213,29 @@ def _drive(args: argparse.Namespace, torchrun: Any) -> int:
                     with _job(args, spec, plan, batch, device, train, done,
                               torchrun) as job, stop:
                         nodes = job.nodes
-                        if len(set(job.nodes)) > 1:
-                            log(f"ranks on {len(set(job.nodes))} nodes: "
-                                f"{describe_nodes(job.nodes)}")
+                        if len(set(nodes)) > 1:
+                            log(f"ranks on {len(set(nodes))} nodes: {describe_nodes(nodes)}")
                         if folder is not None:
                             job.restore(str(folder))
-                        for k in range(done, args.steps):
-                            s = job.step()
-                            trained.append(s)
-                            row = {"step": s.step, "loss": s.loss, "grad_norm": s.grad_norm,
-                                   "lr": s.lr, "time_s": s.time_s,
-                                   "tokens_per_s": tokens / s.time_s,
-                                   "mfu": flops / s.time_s / (peak * gpus) if peak else None,
-                                   "peak_memory_bytes": list(s.peak_memory_bytes)}
-                            if train.evaluates_after(s.step, args.steps):
-                                row["eval_loss"] = evals[s.step] = job.evaluate(
-                                    train.eval_steps)
-                            print(_progress(row, args.steps, predicted), file=sys.stderr,
-                                  flush=True)
-                            predicted = None  # said once, beside the first step
-                            if metrics:
-                                metrics.write(row)
-                            last = k + 1 == args.steps or stop.signum is not None
-                            if args.checkpoint_dir and ((args.checkpoint_every and (k + 1) %
-                                                         args.checkpoint_every == 0) or last):
-                                t0 = time.perf_counter()
-                                path = job.save(args.checkpoint_dir, info)
-                                log(f"checkpoint: {path}")
-                                if args.elastic and not advised:
-                                    advised = True
-                                    log(checkpoint_advice(time.perf_counter() - t0, s.time_s,
-                                                          gpus, args.checkpoint_every))
-                                if args.elastic and not last:
-                                    grown(args, device, gpus)  # more nodes: plan upward
-                            if stop.signum is not None:
-                                log(stop.said(s.step, args.checkpoint_dir))
-                                break
+                        loop.run(job, done)
                         result = job.finish(orderly=stop.signum is None)
                     break
                 except (RuntimeFailure, Grown) as e:
                     if not args.elastic or not (isinstance(e, Grown) or e.lost or e.hung):
                         raise
-                    again = replanned(args, spec, batch, device, train.precision, e, gpus,
-                                      summary, nodes, trained[-1].step if trained else done,
-                                      said_s)
-                    gpus, program, plan, done, folder = again[:5]
-                    said_s = again.change.new_s
+                    last = loop.trained[-1].step if loop.trained else done
+                    again = replanned(args, spec, batch, device, train.precision, e,
+                                      loop.gpus, summary, nodes, last, said_s)
+                    program, plan, done, folder = again.program, again.plan, again.done, \
+                        again.folder
+                    said_s, summary = again.change.new_s, program.summary()
                     changes.append(again.change)
-                    summary = program.summary()
                     info["strategy"] = summary
-                    trained = [s for s in trained if s.step <= done]
-                    evals = {k: v for k, v in evals.items() if k <= done}
+                    loop.back_to(done, again.gpus)
                     if metrics:  # steps after the checkpoint are trained again
                         metrics.close()
-                        metrics = MetricsLog(args.log_dir, gpus, after=done)
+                        metrics = loop.metrics = MetricsLog(args.log_dir, again.gpus,
+                                                            after=done)
                         metrics.event(again.change.record(), again.change.line())
     except RuntimeFailure as e:
         print(f"error: {e}", file=sys.stderr)
@@ -284,7 +244,8 @@ def _drive(args: argparse.Namespace, torchrun: Any) -> int:
         if metrics:
             metrics.close()
     if args.elastic:  # its steps may come from several jobs
-        result = dataclasses.replace(result, steps=tuple(trained))
+        result = dataclasses.replace(result, steps=tuple(loop.trained))
+    evals = loop.evals
     if args.trace:
         write_trace(result.spans, args.trace)
     out: dict[str, Any] = {

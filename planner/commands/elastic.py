@@ -125,6 +125,30 @@ def replan(spec: Any, gpus: int, batch: int, cluster: Any, *, budget: float, see
     return result.best.program, ev.evaluate(result.best.program).prediction.step_time_s
 
 
+def planning_cluster(device: str, per_node: int | None) -> Any:
+    """The catalog cluster an elastic run plans for: this machine's CPUs, or the default
+    GPU cluster, with `--gpus-per-node`."""
+    from cost_models.catalog import CATALOG
+    from planner.commands.common import DEFAULT_CLUSTER, with_gpus_per_node
+
+    return with_gpus_per_node(CATALOG["cpu" if device == "cpu" else DEFAULT_CLUSTER],
+                              per_node)
+
+
+def predicted_step(spec: Any, program: Program, gpus: int, batch: int, device: str,
+                   per_node: int | None, precision: str) -> float | None:
+    """The predicted step time of the strategy an elastic run starts with, priced as its
+    re-plans are (None where it cannot be simulated)."""
+    from planner.search.evaluate import Evaluator
+
+    try:
+        ev = Evaluator(spec, gpus, batch, planning_cluster(device, per_node),
+                       precision=precision)
+        return ev.evaluate(program).prediction.step_time_s
+    except (PiperError, ValueError):
+        return None
+
+
 def fewer(gpus: int) -> list[int]:
     """Device counts to try, most first: `gpus`, then each smaller one down to 1."""
     return list(range(gpus, 0, -1))
@@ -164,8 +188,7 @@ def replanned(args: argparse.Namespace, spec: Any, batch: int, device: str, prec
     """After `failure` (a lost node, a hang) or `Grown`, the strategy for the devices the
     run has now, and the newest checkpoint to go on from. A failure `--elastic` cannot get
     past is re-raised as it came (exit 3)."""
-    from cost_models.catalog import CATALOG
-    from planner.commands.common import DEFAULT_CLUSTER, log, with_gpus_per_node
+    from planner.commands.common import log
     from runtime.lowering.lower import lower
     from runtime.train import checkpoint
 
@@ -186,8 +209,7 @@ def replanned(args: argparse.Namespace, spec: Any, batch: int, device: str, prec
     if folder is None:
         raise failure if not isinstance(failure, Grown) else PiperError(str(failure))
     done = int(checkpoint.info(folder)["step"])
-    name = "cpu" if device == "cpu" else DEFAULT_CLUSTER
-    cluster = with_gpus_per_node(CATALOG[name], args.gpus_per_node)
+    cluster = planning_cluster(device, args.gpus_per_node)
     budget = args.replan_budget or 60.0
     store = Path(args.checkpoint_dir) / "replan.db"
     for n in fewer(have):

@@ -16,7 +16,7 @@ import threading
 from typing import Any, Self
 
 from piper.errors import PiperError
-from planner.commands.elastic import Grown, check_elastic, replanned
+from planner.commands.elastic import Grown, check_elastic, predicted_step, replanned
 from planner.commands.steps import StepLoop
 from runtime.train.training import PRECISIONS, SCHEDULES, TrainConfig
 
@@ -201,7 +201,11 @@ def _drive(args: argparse.Namespace, torchrun: Any) -> int:
     stop = StopSignals()
     loop = StepLoop(args, train, device, info, stop, metrics, tokens, flops, peak, args.gpus,
                     predicted_of(args.strategy) if args.strategy else None, _progress)
-    start, said_s = done, None  # the step this invocation trains from; the predicted step
+    # the step this invocation trains from; the strategy's predicted step (elastic runs
+    # say it beside each change)
+    start, said_s = done, (predicted_step(spec, program, args.gpus, batch, device,
+                                          args.gpus_per_node, train.precision)
+                           if args.elastic else None)
     changes: list[Any] = []  # an elastic run's re-plans
     nodes: tuple[str, ...] = ()  # per rank of the job, its node
     try:

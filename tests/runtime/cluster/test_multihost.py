@@ -147,3 +147,12 @@ def test_elastic_run_outlives_a_lost_host_and_takes_it_back(hosts):
     ref = reference_run(spec, batch_size=spec.batch_size, steps=len(steps), seed=0)
     assert max_rel_diff([s["loss"] for s in out["steps"]], [r.loss for r in ref]) <= 1e-4
     assert set(out["nodes"]) == set(hosts.ips)
+    # the requeued job finishes: from the SIGTERM's checkpoint, on both hosts, exit 0
+    r = cli(hosts, "run", hosts.model, *TINY, "--device", "cpu", "--checkpoint-dir",
+            str(ckpt), "--address", hosts.client, "--gpus", "4", "--gpus-per-node", "2",
+            "--steps", str(len(steps) + 2), "--checkpoint-every", "2", "--elastic",
+            "--resume", "auto", "--check", "--json")
+    assert r.returncode == 0, r.stderr
+    done = json.loads(r.stdout.strip().splitlines()[-1])
+    assert done["check"]["passed"] and [s["step"] for s in done["steps"]] == [
+        len(steps) + 1, len(steps) + 2]

@@ -79,19 +79,27 @@ def test_overlapped_collectives_show_what_the_math_does_not_cover() -> None:
     assert overlapped(0.0, 1.0, 0.15) == 0.0
 
 
-def test_chunk_times_grow_by_exactly_the_in_graph_collectives() -> None:
+@pytest.fixture(scope="module")
+def moe_ep2():
+    """The MoE example under ep2 x dp2 on H100s: (plan, its slice's costs, its in-graph
+    traffic, the cluster)."""
     spec = load_model_file(str(ROOT / "examples" / "moe.py"), TINY)
     cluster = load_cluster("h100-80gb")
-    sharding = ModelSharding(ep=2, experts=("moe.0.experts", "moe.1.experts"))
-    cap = piper.capture(spec, 1, sharding)
+    cap = piper.capture(spec, 1, ModelSharding(ep=2, experts=("moe.0.experts",
+                                                               "moe.1.experts")))
     dag0 = piper.single_device_dag(piper.capture(spec, 1).graph)
     prog = schedules.shard(schedules.build("1f1b", [list(dag0.model.names)], microbatches=1,
                                            dp=2), ep=2, expert_regions=("experts.0",
                                                                         "experts.1"))
     plan = schedule(prog.apply(dag0))
     costs = Evaluator(spec, 2, 16, cluster).sharded_costs(plan.sharding)[0]
+    return plan, costs, in_graph_comm(cap), cluster
+
+
+def test_chunk_times_grow_by_exactly_the_in_graph_collectives(moe_ep2) -> None:
+    plan, costs, traffic, cluster = moe_ep2
     base = task_costs(plan, costs, cluster, 4)
-    got = with_in_graph_comm(base, plan, in_graph_comm(cap), cluster, 4)
+    got = with_in_graph_comm(base, plan, traffic, cluster, 4)
     # per MoE layer: the row counts (2 local experts x 2 ranks, int64), then the routed
     # rows there and back: 4 x 16 tokens x top-2 rows of 32 fp32, not E x T of them
     per = all_to_all_time(4 * 16 * 2 * 32 * 4, (0, 1), cluster)
@@ -109,7 +117,7 @@ def test_chunk_times_grow_by_exactly_the_in_graph_collectives() -> None:
     assert 0 < share[0] < 1
     assert skewed.forward_s[0] == pytest.approx(base.forward_s[0] * (1 + 0.5 * share[0]))
     assert skewed.backward_s[0] == pytest.approx(base.backward_s[0] * (1 + 0.5 * share[0]))
-    waits = with_in_graph_comm(base, plan, in_graph_comm(cap), cluster, 4, expert_skew=1.5)
+    waits = with_in_graph_comm(base, plan, traffic, cluster, 4, expert_skew=1.5)
     assert waits.forward_s[0] - base.forward_s[0] == pytest.approx(3 * (2 * per + counts))
     assert with_expert_skew(base, plan, costs, 1.0) is base
 
@@ -232,20 +240,11 @@ def test_an_all_to_all_over_nodes_sends_each_nodes_share_through_its_nic() -> No
     assert inside < two_nodes < one_per_node
 
 
-def test_overlapped_expert_exchanges_add_what_the_paired_math_does_not_cover() -> None:
+def test_overlapped_expert_exchanges_add_what_the_paired_math_does_not_cover(moe_ep2
+                                                                             ) -> None:
     """Megatron's EP overlap: a forward's all-to-alls run under another microbatch's
     backward, a backward's under a forward."""
-    spec = load_model_file(str(ROOT / "examples" / "moe.py"), TINY)
-    cluster = load_cluster("h100-80gb")
-    cap = piper.capture(spec, 1, ModelSharding(ep=2, experts=("moe.0.experts",
-                                                               "moe.1.experts")))
-    dag0 = piper.single_device_dag(piper.capture(spec, 1).graph)
-    prog = schedules.shard(schedules.build("1f1b", [list(dag0.model.names)], microbatches=1,
-                                           dp=2), ep=2, expert_regions=("experts.0",
-                                                                        "experts.1"))
-    plan = schedule(prog.apply(dag0))
-    costs = Evaluator(spec, 2, 16, cluster).sharded_costs(plan.sharding)[0]
-    traffic = in_graph_comm(cap)
+    plan, costs, traffic, cluster = moe_ep2
     base = task_costs(plan, costs, cluster, 4)
     inline = with_in_graph_comm(base, plan, traffic, cluster, 4)
     hidden = with_in_graph_comm(base, plan, traffic, cluster, 4, ep_overlap=True)

@@ -48,6 +48,10 @@ class ShardSequence(Directive):
         if dag.sharding.ep != 1:
             raise DirectiveError(index, self, "context parallelism with expert parallelism "
                                  "(Shard) is not supported")
+        if dag.sharding.capacity and self.degree > 1:
+            raise DirectiveError(index, self, "an expert capacity is counted per sequence, "
+                                 "which context parallelism splits over ranks: not supported "
+                                 "together")
         if self.degree > 1 and not any(n.kind in _GRAD_COLLECTIVES for n in dag.graph):
             raise DirectiveError(index, self, "needs Replicate before it: the ranks' "
                                  "gradients are summed by the replicas' collectives (write "

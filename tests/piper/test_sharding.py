@@ -12,6 +12,7 @@ from torch import nn
 import piper
 from piper import Experts, Place, Program, Replicate, Shard, ShardTensor, Split, schedules
 from piper.dag import VerifyError
+from piper.directives import ShardSequence
 from piper.model_file import load_model_file
 from piper.tensor_parallel import (
     ColwiseLinear,
@@ -221,6 +222,8 @@ def test_shard_splits_the_experts_of_matched_regions(moe_dag) -> None:
      "capacity needs group, the tokens of one sequence"),
     ([Replicate(2), Shard("experts.*", degree=2), Shard("experts.*", degree=1)],
      "Shard must come once"),
+    ([Replicate(2), Shard("experts.*", degree=1, capacity=1.0, group=16), ShardSequence(2)],
+     "an expert capacity is counted per sequence"),
 ])
 def test_shard_errors(moe_dag, directives, msg) -> None:
     with pytest.raises(piper.DirectiveError, match=msg):

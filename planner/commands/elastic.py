@@ -104,25 +104,23 @@ def devices_left(device: str, per_node: int | None) -> int:
     return total
 
 
-def replan(spec: Any, gpus: int, batch: int, cluster: Any, *, budget: float, seed: int,
-           precision: str, store: Path) -> tuple[Program, float] | None:
-    """The best strategy for `gpus` devices at the same global batch, by a search bounded
+def replan(ev: Any, *, budget: float, seed: int, store: Path
+           ) -> tuple[Program, float] | None:
+    """The best strategy for the evaluator's devices and global batch, by a search bounded
     by `budget` seconds (the study of `store` keeps each device count's trials, so a count
     seen before reuses them), with its predicted step time; None if nothing fits."""
-    from planner.search.evaluate import Evaluator
     from planner.search.loop import run_search
     from planner.search.space import search_space
 
-    ev = Evaluator(spec, gpus, batch, cluster, precision=precision)
-    space, _ = search_space(ev, cluster.gpus_per_node)
+    space, _ = search_space(ev, ev.cluster.gpus_per_node)
     if not space.points():
         return None
     result = run_search(ev, space, trials=REPLAN_TRIALS, timeout=budget, sampler="tpe",
-                        storage=f"sqlite:///{store.resolve()}", study_name=f"gpus-{gpus}",
+                        storage=f"sqlite:///{store.resolve()}", study_name=f"gpus-{ev.gpus}",
                         seed=seed, progress=False)
     if result.best is None:
         return None
-    return result.best.program, ev.evaluate(result.best.program).prediction.step_time_s
+    return result.best.program, result.best.predicted["step_time_s"]
 
 
 def planning_cluster(device: str, per_node: int | None) -> Any:
@@ -189,6 +187,7 @@ def replanned(args: argparse.Namespace, spec: Any, batch: int, device: str, prec
     run has now, and the newest checkpoint to go on from. A failure `--elastic` cannot get
     past is re-raised as it came (exit 3)."""
     from planner.commands.common import log
+    from planner.search.evaluate import Evaluator
     from runtime.lowering.lower import lower
     from runtime.train import checkpoint
 
@@ -212,9 +211,9 @@ def replanned(args: argparse.Namespace, spec: Any, batch: int, device: str, prec
     cluster = planning_cluster(device, args.gpus_per_node)
     budget = args.replan_budget or 60.0
     store = Path(args.checkpoint_dir) / "replan.db"
+    base = Evaluator(spec, have, batch, cluster, precision=precision)  # one capture
     for n in fewer(have):
-        found = replan(spec, n, batch, cluster, budget=budget, seed=args.seed,
-                       precision=precision, store=store)
+        found = replan(base.on(cluster, n, batch), budget=budget, seed=args.seed, store=store)
         if found is not None:
             break
     else:

@@ -59,6 +59,12 @@ class TaskCosts:
     of the ops that read it; 0 or 1: the ALL_GATHER brings the stage whole."""
     unit_groups: tuple[tuple[int, ...], ...] = ()
     """Per stage, the data-parallel group those gathers run over (as its ALL_GATHER's)."""
+    gather_under_forward: bool = False
+    """ZeRO-1/2's parameter all-gather after the update runs in buckets under the next
+    step's first forward of its stage (Megatron-LM's --overlap-param-gather: the first
+    bucket is dispatched at the forward's first use, each later one when the bucket
+    before arrives, `finish_param_sync`); priced as the part of it that forward waits for
+    (`_gathered_under_forward`). False: the step ends with it, as piper's runtime runs it."""
     mesh: Mesh | None = None
     """Set under context parallelism: a replicas' collective runs over the context-parallel
     ranks of each replica too (`Mesh.dp_lift`), a larger group than its task names."""
@@ -80,6 +86,8 @@ class TaskCosts:
         if k is Kind.RECV:  # dry_run adds the wait until arrival
             return self.cluster.task_overhead_s
         kind = _COLLECTIVE.get(k)
+        if k is Kind.ALL_GATHER and task.mb < 0 and self.gather_under_forward:
+            return self._gathered_under_forward(task) + self.cluster.task_overhead_s
         if k is Kind.ALL_GATHER and self._units(task.stage) > 1:  # the chunk's first unit
             return self._unit_gather(task.stage, task.group) + self.cluster.task_overhead_s
         if kind is not None and self.bucket_bytes and not task.values:
@@ -124,6 +132,32 @@ class TaskCosts:
         hidden = (n - 1) * min(self._unit_gather(task.stage, group), busy / n)
         return c * min(1.0, hidden / busy)
 
+    def _gathered_under_forward(self, task: Task) -> float:
+        """What the next step's first forward of the stage waits for its parameters when
+        their gather runs under it, bucket j + 1's once bucket j's arrived (one ahead, as
+        FSDP's units): the first bucket's, what each later one has left past the forward
+        of the bucket before (buckets cover the forward in proportion to their bytes), and
+        the forward slowed by the cluster's comm/compute contention while they run."""
+        sizes = self._bucket_sizes(self._bytes_of(task))
+        group = self._over(task.group)
+        times = [comm.collective_time(comm.ALL_GATHER, n, group, self.cluster) for n in sizes]
+        total = sum(sizes)
+        forward = self.forward_s[task.stage] * self.cluster.runtime_compute_factor
+        covers = [forward * n / total if total else 0.0 for n in sizes]
+        later = list(zip(times[1:], covers[:-1], strict=True))  # bucket j + 1 under j's
+        exposed = times[0] + sum(max(0.0, t - c) for t, c in later)
+        hidden = sum(min(t, c) for t, c in later)
+        return exposed + comm.contention(self.cluster, group) * hidden
+
+    def _bucket_sizes(self, total: int) -> list[int]:
+        """`total` bytes in buckets of `bucket_bytes` (the last one what is left), or one."""
+        if not self.bucket_bytes:
+            return [total]
+        sizes = [self.bucket_bytes] * (total // self.bucket_bytes)
+        if total % self.bucket_bytes or not sizes:
+            sizes.append(total % self.bucket_bytes)
+        return sizes
+
     def _bytes_of(self, task: Task) -> int:
         """What a stage's collective moves: parameters (a gather) or gradients."""
         if task.kind is Kind.ALL_GATHER and self.gather_bytes:
@@ -137,9 +171,7 @@ class TaskCosts:
         in reverse, about evenly); the task is what is left after that backward ends (at
         least the last bucket)."""
         total = self._bytes_of(task)
-        sizes = [self.bucket_bytes] * (total // self.bucket_bytes)
-        if total % self.bucket_bytes or not sizes:
-            sizes.append(total % self.bucket_bytes)
+        sizes = self._bucket_sizes(total)
         group = self._over(task.group)
         each = {n: comm.collective_time(kind, n, group, self.cluster) for n in set(sizes)}
         times = [each[n] for n in sizes]

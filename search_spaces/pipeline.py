@@ -91,6 +91,9 @@ class PipelineSpace(SearchSpace):
     """Buckets only where the gradient collectives overlap the backward on a stream of
     their own, one collective per stage otherwise (Megatron's DDP: --ddp-bucket-size applies
     with --overlap-grad-reduce; without, all gradients make one bucket)."""
+    stream_zeros: tuple[int, ...] = (0, 1, 2)
+    """ZeRO stages whose gradient collectives may overlap the backward on a comm stream
+    (DeepSpeed's overlap_comm: ZeRO 1-3's; its ZeRO-0 all-reduces after the backward)."""
     expert_count: int = 0
     """The gcd of the experts modules' expert counts (0: no experts): points with tp > 1
     and ep > 1 also run as Megatron's expert mesh (ep x tp over the TP ranks), one of
@@ -100,12 +103,12 @@ class PipelineSpace(SearchSpace):
     routed experts module (0: it cannot). Points with tp > 1 then also run with etp = tp,
     as one of their `variants`."""
     max_zero_in_pipeline: int = 3
+    """The highest ZeRO stage a point with pp > 1 may run (DeepSpeed's pipeline engine: 1;
+    Megatron-LM's FSDP path runs without a pipeline: 1)."""
     unit_layer_mb: float = 0
     """Nonzero: data-parallel collectives in units of one transformer block of this many
     MiB (fp32, whole) split tp ways, on every point: torchtitan's FSDP wrapping, instead of
     the bucket sizes `buckets` tries."""
-    """The highest ZeRO stage a point with pp > 1 may run (DeepSpeed's pipeline engine: 1;
-    Megatron-LM's FSDP path runs without a pipeline: 1)."""
 
     @property
     def flat_schedule(self) -> str:
@@ -288,6 +291,9 @@ class PipelineSpace(SearchSpace):
             return "a comm stream carries data-parallel collectives; dp=1 has none"
         if comm_stream and zero == 3:  # its gradient scatters share a group with the gathers
             return "ZeRO-3's collectives stay on the compute stream (it waits for its gathers)"
+        if comm_stream and zero not in self.stream_zeros:
+            return (f"the target framework reduces ZeRO-{zero}'s gradients after the "
+                    "backward, not beside it")
         if bucket_mb and reducing == 1:
             return "buckets of data-parallel collectives need dp > 1"
         if sp and tp == 1:

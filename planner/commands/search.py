@@ -34,7 +34,7 @@ def search(args: argparse.Namespace) -> int:
     from planner.report.tables import pareto, predicted_line, results_table, summary_line, unused
     from planner.search.evaluate import Evaluator
     from planner.search.replicas import stands_for
-    from planner.search.space import search_space
+    from planner.search.space import PRICED_AS, search_space
 
     spec = spec_of(args)
     if args.trials < 1:
@@ -58,7 +58,7 @@ def search(args: argparse.Namespace) -> int:
         open_storage(storage)  # a bad URL is said now, not after the capture
     t0 = time.perf_counter()
     ev = Evaluator(spec, args.gpus, batch, cluster, precision=planned_precision(args, cluster),
-                   expert_skew=args.expert_skew)
+                   expert_skew=args.expert_skew, **PRICED_AS.get(args.target or "", {}))
     graph = ev.graph
     folded = "".join(f"; traced 2 of {r.length} identical {r.fqn}" for r in ev.captured.folded)
     log(f"captured {spec.path}: {len(graph.regions)} regions, "

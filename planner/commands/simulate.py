@@ -32,7 +32,10 @@ def simulate(args: argparse.Namespace) -> int:
         apply_from(args)
     cluster, _ = cluster_of(args, announce=False)
     ev = Evaluator(spec, args.gpus, batch_of(args, spec), cluster,
-                   precision=planned_precision(args, cluster), expert_skew=args.expert_skew)
+                   precision=planned_precision(args, cluster), expert_skew=args.expert_skew,
+                   # what a framework's config overlaps where piper's runtime does not
+                   tp_overlap=getattr(args, "tp_overlap", False),
+                   param_gather_overlap=getattr(args, "param_gather_overlap", False))
     tell_regions(ev)
     router = experts_note(args, ev.graph)
     if router:

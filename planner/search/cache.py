@@ -18,7 +18,7 @@ from cost_models import ClusterSpec, ModelCosts, to_toml
 from piper.capture import ModelGraph
 from piper.program import Program
 
-KEY_VERSION = "piper-plan-evaluation-3"
+KEY_VERSION = "piper-plan-evaluation-4"
 """Part of every key: bump it when the meaning of a cached evaluation changes."""
 
 V = TypeVar("V")
@@ -27,13 +27,13 @@ V = TypeVar("V")
 def evaluation_key(program: Program, model: ModelGraph, costs: ModelCosts,
                    cluster: ClusterSpec, microbatch_size: int, gpus: int, *,
                    tp_overlap: bool = False, expert_skew: float = 1.0,
-                   ep_overlap: bool = False) -> str:
+                   ep_overlap: bool = False, param_gather_overlap: bool = False) -> str:
     """Hex sha256 of the inputs of one evaluation, as text that is stable across runs."""
     h = hashlib.sha256()
     for part in (KEY_VERSION, program.to_json(), repr(model), repr(costs), to_toml(cluster),
                  f"microbatch_size={microbatch_size}", f"gpus={gpus}",
                  f"tp_overlap={tp_overlap}", f"expert_skew={expert_skew!r}",
-                 f"ep_overlap={ep_overlap}"):
+                 f"ep_overlap={ep_overlap}", f"param_gather_overlap={param_gather_overlap}"):
         h.update(part.encode())
         h.update(b"\0")  # a separator no part contains, so parts cannot run together
     return h.hexdigest()

@@ -78,6 +78,10 @@ class Evaluator:
     """Price expert all-to-alls as hidden behind another microbatch's math (Megatron's
     --overlap-moe-expert-parallel-comm): for published runs that used it; piper's runtime
     runs them in line."""
+    param_gather_overlap: bool = False
+    """Price ZeRO-1/2's parameter all-gather of a plan whose gradient collectives overlap
+    the backward as run under the next step's forward (Megatron's --overlap-param-gather,
+    `TaskCosts.gather_under_forward`); piper's runtime gathers at the end of the step."""
     expert_skew: float = 1.0
     """The busiest rank's share of routed rows over the mean (`--expert-skew`): 1 prices a
     perfectly balanced router; a measured router's max/mean load prices its imbalance
@@ -250,17 +254,23 @@ class Evaluator:
         mb = program_microbatch_size(program, self.batch_size)
         key = evaluation_key(program, self.captured.graph, self.costs, self.cluster, mb,
                              self.gpus, tp_overlap=self.tp_overlap,
-                             expert_skew=self.expert_skew, ep_overlap=self.ep_overlap)
+                             expert_skew=self.expert_skew, ep_overlap=self.ep_overlap,
+                             param_gather_overlap=self.param_gather_overlap)
         hit = self.cache.get(key)
         if hit is not None:
             return hit
         plan = self._plan(program)
+        under = (self.param_gather_overlap and plan.zero in (1, 2)
+                 and program.summary()["comm_stream"])
         if plan.sharding.trivial:
-            pred = simulate(plan, self.costs, self.cluster, mb)
+            tc = dataclasses.replace(task_costs(plan, self.costs, self.cluster, mb),
+                                     gather_under_forward=under)
+            pred = simulate(plan, self.costs, self.cluster, mb, durations=tc)
         else:  # the rank's slice of the math, plus the collectives inside its chunks
             costs, traffic, share = self._slice(plan.sharding)
             tc = with_expert_skew(task_costs(plan, costs, self.cluster, mb), plan, costs,
                                   self.expert_skew)
+            tc = dataclasses.replace(tc, gather_under_forward=under)
             if share:  # what crosses stages is 1/tp (SP) or 1/cp of the sequence per rank
                 tc = dataclasses.replace(tc, value_bytes=tuple(
                     (v, round(b * share.get(v, 1.0))) for v, b in tc.value_bytes))

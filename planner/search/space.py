@@ -43,6 +43,15 @@ RECOMPUTES = (False, True, "attention", "op")
 (`piper.Recompute`)."""
 
 
+DEEPSPEED_PREFETCH_MB = round(4 * 50_000_000 / 2**20, 3)
+"""DeepSpeed's default ZeRO-3 prefetch window, stage3_prefetch_bucket_size = 5e7 elements,
+as fp32 MiB: the parameters it gathers ahead of use, one window at a time (priced as
+units of that size, each gathered under the one before)."""
+
+DEEPSPEED_REDUCE_MB = round(4 * 500_000_000 / 2**20, 3)
+"""DeepSpeed's default reduce_bucket_size (and its ZeRO-0 all-reduce buffer), 5e8
+elements, as fp32 MiB."""
+
 TARGETS: dict[str, dict[str, Any]] = {
     # torchtitan 0.2: DDP, or FSDP2 resharding after forward or not (ZeRO 3 / 2), every
     # torch.distributed.pipelining schedule, TP always with SP, full or per-op AC, one FSDP
@@ -51,17 +60,29 @@ TARGETS: dict[str, dict[str, Any]] = {
                    "units": "layer"},
     # Megatron-LM: DDP or the distributed optimizer (ZeRO-1), FSDP2 (ZeRO-3) without a
     # pipeline; 1F1B and interleaved 1F1B; full or selective (core attention) recompute;
-    # gradient buckets only with --overlap-grad-reduce
+    # gradient buckets only with --overlap-grad-reduce; TP with SP (and --tp-comm-overlap)
     "megatron": {"zeros": (0, 1, 3), "max_zero_in_pipeline": 1, "buckets_with_stream": True,
                  "buckets": (0, *BUCKETS_MB[1:], 152.588),  # and its default: 40M parameters
-                 "schedules": ("1f1b", "interleaved-1f1b"),
+                 "schedules": ("1f1b", "interleaved-1f1b"), "sp_with_tp": True,
                  "recomputes": (False, True, "attention")},
     # DeepSpeed: no tensor or expert parallelism of its own, ZeRO 0-1 beside a pipeline,
-    # its 1F1B-like pipeline schedule, full recompute
+    # its 1F1B-like pipeline schedule, full recompute; gradient reduction overlaps the
+    # backward (overlap_comm) at ZeRO 1-3 (ZeRO-0 all-reduces after the last one); always
+    # in buckets: its ZeRO-3 prefetch window and reduce bucket defaults, or 25 MiB
     "deepspeed": {"tps": (1,), "eps": (1,), "cps": (1,), "max_zero_in_pipeline": 1,
-                  "schedules": ("1f1b",), "recomputes": (False, True)},
+                  "schedules": ("1f1b",), "recomputes": (False, True), "stream_zeros": (1, 2),
+                  "buckets": (BUCKETS_MB[1], DEEPSPEED_PREFETCH_MB, DEEPSPEED_REDUCE_MB)},
 }
 """What each framework runs (`search --target`), as limits of the space."""
+
+
+PRICED_AS: dict[str, dict[str, bool]] = {
+    # as the Megatron export runs: --tp-comm-overlap beside SP, --overlap-param-gather with
+    # the distributed optimizer and --overlap-grad-reduce
+    "megatron": {"tp_overlap": True, "param_gather_overlap": True},
+}
+"""How each framework runs a strategy where piper's runtime runs it otherwise, as
+`Evaluator` pricing options (`search --target`)."""
 
 
 def layer_units_mb(evaluator: Evaluator, tp: int = 1) -> float:

@@ -130,6 +130,42 @@ def test_zero_units_gather_one_collective_each_and_reduce_scatter_early(
         late + c.task_overhead_s)
 
 
+def test_a_gather_under_the_next_forward_shows_its_first_bucket_and_what_outlasts(
+        make_plan, costs: ModelCosts, ideal_cluster):
+    """Megatron's --overlap-param-gather: ZeRO-1's post-update gather runs in buckets under
+    the next forward, each dispatched when the one before arrives: the step sees the
+    first bucket's, what each later one has left past its predecessor's forward, and the
+    forward slowed by contention over the part hidden."""
+    import dataclasses
+
+    from cost_models.comm import ALL_GATHER, collective_time
+
+    c = _cluster(ideal_cluster, 1e-4)
+    plan = make_plan("1f1b", pp=2, microbatches=4, dp=2, zero=1, bucket_mb=0.01,
+                     comm_stream=True)
+    tc = task_costs(plan, costs, c, microbatch_size=4)
+    ag = next(t for t in plan.ranks[0].tasks if t.kind is Kind.ALL_GATHER)
+    assert ag.mb < 0  # after the update
+    total, cap = tc.gather_bytes[0], plan.bucket_bytes
+    sizes = [cap] * (total // cap) + ([total % cap] if total % cap else [])
+    assert len(sizes) > 2
+    times = [collective_time(ALL_GATHER, n, ag.group, c) for n in sizes]
+    in_line = tc.duration(0, ag)
+    assert in_line == pytest.approx(sum(times) + c.task_overhead_s)
+    under = dataclasses.replace(tc, gather_under_forward=True)
+    fwd = tc.forward_s[0]
+    covers = [fwd * n / total for n in sizes]
+    expect = times[0] + sum(max(0.0, t - f) for t, f in zip(times[1:], covers, strict=False))
+    assert under.duration(0, ag) == pytest.approx(expect + c.task_overhead_s)
+    assert times[0] < under.duration(0, ag) < in_line  # slow links: part of it shows
+    fast = dataclasses.replace(under, forward_s=tuple(1e3 for _ in tc.forward_s))
+    assert fast.duration(0, ag) == pytest.approx(times[0] + c.task_overhead_s)
+    slowed = dataclasses.replace(fast, cluster=dataclasses.replace(
+        c, comm_compute_contention=0.5))
+    assert slowed.duration(0, ag) == pytest.approx(
+        times[0] + 0.5 * sum(times[1:]) + c.task_overhead_s)
+
+
 def test_zero3_units_hold_two_units_gathered_not_the_stage(make_plan, costs: ModelCosts):
     from cost_models.memory import StageMemory
     from cost_models.task_costs import gathered_element_size

@@ -47,7 +47,15 @@ def deepspeed_config(lay: Layout) -> Exported:
                      "(deepspeed.checkpointing.checkpoint around each layer); "
                      + ("a selective policy is not expressible: full" if lay.recompute
                         is not True else "full"))
-    zero_cfg: dict = {"stage": zero, "overlap_comm": bool(lay.comm_stream or zero == 3),
+    if lay.comm_stream and zero == 0:
+        notes.append("comm stream: DeepSpeed overlaps gradient reduction with the backward "
+                     "(overlap_comm) at ZeRO 1-3 only; nearest: ZeRO-0's all-reduce after "
+                     "the backward")
+    if zero == 3 and not lay.bucket_mb:
+        notes.append("zero 3 gathered by stage: DeepSpeed always prefetches in windows of "
+                     "stage3_prefetch_bucket_size (5e7 elements unless set); nearest: that")
+    overlap = zero == 3 or (lay.comm_stream and zero > 0)
+    zero_cfg: dict = {"stage": zero, "overlap_comm": overlap,
                       "contiguous_gradients": True}
     if lay.bucket_mb:  # DeepSpeed counts elements: the fp32 MiB as a gradient count
         size = int(lay.bucket_mb * 2**20 // 4)

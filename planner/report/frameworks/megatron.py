@@ -6,7 +6,7 @@ interleaved or not, as --pipeline-model-parallel-layout), --sequence-parallel,
 the world. ZeRO-1 is the distributed optimizer (which also reduce-scatters the gradients:
 its memory is ZeRO-1's, a full fp32 gradient buffer stays), ZeRO-3 is Megatron's
 torch-FSDP2 path. --overlap-grad-reduce (and --overlap-param-gather with the distributed
-optimizer) is what a comm stream does. Recompute: full is --recompute-granularity full
+optimizer) is what a comm stream does; --tp-comm-overlap goes with sequence parallelism. Recompute: full is --recompute-granularity full
 (uniform, one layer per checkpoint), selective is Megatron's own (its core attention).
 """
 
@@ -66,6 +66,12 @@ def megatron_args(lay: Layout) -> Exported:
                          "they drop the same rows at one sequence per microbatch")
     if lay.sp:
         args.append("--sequence-parallel")
+    if lay.sp and lay.tp > 1:  # as a Megatron pick is priced (`search --target megatron`)
+        args.append("--tp-comm-overlap")
+        notes.append("--tp-comm-overlap: Transformer Engine's userbuffers run the "
+                     "tensor-parallel collectives beside the GEMMs; where they cannot start "
+                     "(no TE, no MPI or NCCL bootstrap), drop the flag: `piper-plan simulate "
+                     "--from megatron` prices these arguments without it")
     args += _pipeline(lay, notes)
     args += _data_parallel(lay, notes)
     args += _recompute(lay, notes)

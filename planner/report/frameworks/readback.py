@@ -107,7 +107,7 @@ def from_megatron(text: str, gpus: int) -> tuple[Shorthand, list[str]]:
                        ("--moe-expert-capacity-factor", float), ("--ddp-bucket-size", int)):
         p.add_argument(flag, type=kind)
     for flag in ("--sequence-parallel", "--use-distributed-optimizer", "--use-torch-fsdp2",
-                 "--overlap-grad-reduce"):
+                 "--overlap-grad-reduce", "--overlap-param-gather", "--tp-comm-overlap"):
         p.add_argument(flag, action="store_true")
     try:
         a, _ = p.parse_known_args(shlex.split(text))
@@ -158,7 +158,11 @@ def from_megatron(text: str, gpus: int) -> tuple[Shorthand, list[str]]:
              "bucket_mb": (round(4 * a.ddp_bucket_size / 2**20, 3)
                            if a.ddp_bucket_size and a.overlap_grad_reduce and dp > 1
                            and zero < 3 else None),
-             "batch_size": a.global_batch_size, "unit_per_layer": zero == 3}, [])
+             "batch_size": a.global_batch_size, "unit_per_layer": zero == 3,
+             # priced as Megatron runs them (`Evaluator`): what its overlaps hide
+             "tp_overlap": a.tp_comm_overlap and a.sequence_parallel and tp > 1,
+             "param_gather_overlap": (a.overlap_param_gather and a.overlap_grad_reduce
+                                      and zero == 1 and dp > 1)}, [])
 
 
 READERS = {"torchtitan": from_torchtitan, "megatron": from_megatron}

@@ -8,7 +8,8 @@ would run by default.
 - Megatron-LM (Megatron-Bridge's DGX-H100 performance recipes, ../shared/published/
   gpu_runs.md section 6b): below 20B tp1; below 200B tp4 pp8 vp5 (its 70B recipe); above,
   tp8 pp8 vp8 (405B), with SP and the distributed optimizer;
-- DeepSpeed: ZeRO-3 over every device.
+- DeepSpeed: ZeRO-3 over every device, its parameters gathered in its default prefetch
+  window (stage3_prefetch_bucket_size, 5e7 elements).
 
 Each at its fastest microbatch of 1, 2, 4 or 8 samples that fits, with and without full
 recompute (as a user tunes a recipe first).
@@ -34,6 +35,7 @@ class Recipe:
     v: int = 1
     units: bool = False  # FSDP units of one transformer block
     ddp_buckets: bool = False  # Megatron's DDP buckets (`megatron_bucket_mb`)
+    prefetch: bool = False  # DeepSpeed's ZeRO-3 prefetch window (`DEEPSPEED_PREFETCH_MB`)
 
 
 def megatron_bucket_mb(dp: int) -> float:
@@ -41,6 +43,19 @@ def megatron_bucket_mb(dp: int) -> float:
     reduction overlapped: max(40M, 1M x dp) parameters (`DistributedDataParallelConfig.
     bucket_size`); without the overlap it makes one bucket."""
     return round(4 * max(40_000_000, 1_000_000 * dp) / 2**20, 3)
+
+
+def _bucket_mb(r: Recipe, dp: int, unit_mb: float) -> float | None:
+    """The bucket (or ZeRO-3 unit) size recipe `r` runs its data-parallel collectives in."""
+    from planner.search.space import DEEPSPEED_PREFETCH_MB
+
+    if dp == 1:
+        return None
+    if r.units:
+        return unit_mb
+    if r.prefetch:
+        return DEEPSPEED_PREFETCH_MB
+    return megatron_bucket_mb(dp) if r.ddp_buckets and r.zero < 3 else None
 
 
 def recipes(target: str, params: float) -> list[Recipe]:
@@ -59,7 +74,7 @@ def recipes(target: str, params: float) -> list[Recipe]:
                            ddp_buckets=True)]
         return [Recipe("Megatron's recipe: tp8 pp8 vp8", 8, 8, 1, "interleaved-1f1b", 8,
                        ddp_buckets=True)]
-    return [Recipe("DeepSpeed's default: ZeRO-3", 1, 1, 3)]
+    return [Recipe("DeepSpeed's default: ZeRO-3", 1, 1, 3, prefetch=True)]
 
 
 def best_recipe(target: str, evaluator: Any, unit_mb: float) -> tuple[str, Any] | None:
@@ -96,8 +111,7 @@ def best_setting(r: Recipe, evaluator: Any, unit_mb: float
                 schedule=r.schedule if r.pp > 1 else "none",
                 virtual_stages=r.v if r.v > 1 else None,
                 microbatches=ev.batch_size // (dp * mbs), recompute=recompute,
-                bucket_mb=(unit_mb if r.units and dp > 1 else megatron_bucket_mb(dp)
-                           if r.ddp_buckets and dp > 1 and r.zero < 3 else None),
+                bucket_mb=_bucket_mb(r, dp, unit_mb),
                 comm_stream=dp > 1 and r.zero < 3, sp=r.tp > 1)
             try:
                 e = ev.evaluate(shorthand_program(args, ev.gpus, ev.graph.names,

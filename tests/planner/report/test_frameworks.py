@@ -23,6 +23,7 @@ from piper.model_file import load_model_file
 from planner.cli import main
 from planner.report.frameworks import SUFFIX, TARGETS, layout
 from planner.report.frameworks.readback import from_megatron, from_torchtitan
+from planner.search.space import DEEPSPEED_PREFETCH_MB, DEEPSPEED_REDUCE_MB
 from tests.conftest import ROOT
 
 LLAMA = str(ROOT / "examples" / "llama.py")
@@ -129,6 +130,8 @@ def test_megatron_arguments_are_its_options_and_add_up(name, spec):
     assert (tp, pp, cp, gbs) == (lay.tp, lay.pp, lay.cp, BATCH)
     assert gbs == (GPUS // (tp * pp * cp)) * mbs * lay.microbatches
     assert ("--sequence-parallel" in flags) == lay.sp
+    # TE's overlap of the TP collectives, which needs SP, as a Megatron pick is priced
+    assert ("--tp-comm-overlap" in flags) == (lay.sp and tp > 1)
     if pp > 1:  # the stage split, as Megatron's layout string
         stages = value["--pipeline-model-parallel-layout"].split("|")
         assert len(stages) == pp * lay.virtual_stages
@@ -148,7 +151,11 @@ def test_gradient_buckets_are_written_as_each_framework_counts_them(spec, monkey
     args = shlex.split(TARGETS["megatron"](lay).text)
     value = {a: b for a, b in itertools.pairwise(args) if a.startswith("--")}
     assert value["--ddp-bucket-size"] == "26214400" and "--overlap-grad-reduce" in args
-    assert from_megatron(TARGETS["megatron"](lay).text, GPUS)[0]["bucket_mb"] == 100.0
+    back = from_megatron(TARGETS["megatron"](lay).text, GPUS)[0]
+    assert back["bucket_mb"] == 100.0 and not back["param_gather_overlap"]  # no ZeRO-1
+    dist_opt = dataclasses.replace(lay, zero=1)
+    assert "--overlap-param-gather" in TARGETS["megatron"](dist_opt).text
+    assert from_megatron(TARGETS["megatron"](dist_opt).text, GPUS)[0]["param_gather_overlap"]
     in_line = dataclasses.replace(lay, comm_stream=False)  # Megatron: one bucket then
     assert "--ddp-bucket-size" not in TARGETS["megatron"](in_line).text
     assert any("one bucket" in n for n in TARGETS["megatron"](in_line).notes)
@@ -267,12 +274,17 @@ def test_a_targeted_search_tries_only_what_the_framework_runs(target, tmp_path, 
             assert r["bucket_mb"] not in ("25", "100")  # its units: one block each
         elif target == "megatron":
             assert zero in (0, 1, 3) and not (pp > 1 and zero == 3)
+            assert tp == 1 or r["sp"] == "True"  # with --tp-comm-overlap
             assert r["schedule"] in ("none", "1f1b", "interleaved-1f1b")
             # its DDP buckets only overlapped gradients (--overlap-grad-reduce)
             assert r["bucket_mb"] in ("", "0") or r["comm_stream"] == "True", r
         else:
             assert tp == 1 and not (pp > 1 and zero > 1)
             assert r["schedule"] in ("none", "1f1b")
+            # overlap_comm under the backward at ZeRO 1-3 only; always in its buckets
+            assert zero > 0 or r["comm_stream"] != "True", r
+            assert r["bucket_mb"] in ("", "0") or float(r["bucket_mb"]) in (
+                25, DEEPSPEED_PREFETCH_MB, DEEPSPEED_REDUCE_MB), r
     assert (out / f"best_{target}{SUFFIX[target]}").is_file(), "--target writes its config"
 
 

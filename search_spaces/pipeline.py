@@ -109,6 +109,9 @@ class PipelineSpace(SearchSpace):
     """Nonzero: data-parallel collectives in units of one transformer block of this many
     MiB (fp32, whole) split tp ways, on every point: torchtitan's FSDP wrapping, instead of
     the bucket sizes `buckets` tries."""
+    unit_layer_zeros: tuple[int, ...] = (0, 1, 2, 3)
+    """The ZeRO stages `unit_layer_mb` applies to (torchtitan: all; Megatron-LM: its FSDP2
+    path, ZeRO-3, which wraps each transformer layer; its DDP buckets the rest)."""
 
     @property
     def flat_schedule(self) -> str:
@@ -217,7 +220,8 @@ class PipelineSpace(SearchSpace):
         grid's optimum; BENCHMARKS.md). So a search scores every size that fits for each
         point it samples and keeps the fastest (`planner.search.loop.score`), and the grid's
         optimum is over the whole product all the same."""
-        if self.unit_layer_mb and self.gpus // (point["pp"] * point.get("tp", 1)) > 1:
+        if (self.unit_layer_mb and point.get("zero", 0) in self.unit_layer_zeros
+                and self.gpus // (point["pp"] * point.get("tp", 1)) > 1):
             unit = {**point, "bucket_mb": round(self.unit_layer_mb / point.get("tp", 1), 3)}
             return [{**unit, "sp": True} if self.sp_with_tp and point.get("tp", 1) > 1
                     else unit]

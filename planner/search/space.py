@@ -60,8 +60,10 @@ TARGETS: dict[str, dict[str, Any]] = {
                    "units": "layer"},
     # Megatron-LM: DDP or the distributed optimizer (ZeRO-1), FSDP2 (ZeRO-3) without a
     # pipeline; 1F1B and interleaved 1F1B; full or selective (core attention) recompute;
-    # gradient buckets only with --overlap-grad-reduce; TP with SP (and --tp-comm-overlap)
+    # gradient buckets only with --overlap-grad-reduce; TP with SP (and --tp-comm-overlap);
+    # its FSDP2 path wraps each transformer layer
     "megatron": {"zeros": (0, 1, 3), "max_zero_in_pipeline": 1, "buckets_with_stream": True,
+                 "units": "layer", "unit_layer_zeros": (3,),
                  "buckets": (0, *BUCKETS_MB[1:], 152.588),  # and its default: 40M parameters
                  "schedules": ("1f1b", "interleaved-1f1b"), "sp_with_tp": True,
                  "recomputes": (False, True, "attention")},

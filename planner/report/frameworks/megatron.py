@@ -115,7 +115,13 @@ def _data_parallel(lay: Layout, notes: list[str]) -> list[str]:
         if lay.pp > 1:
             raise PiperError("zero 3 with pipeline parallelism: Megatron-LM's FSDP2 path "
                              "does not run with a pipeline")
-    elif lay.zero:
+        block = lay.model.layer_mib / lay.tp
+        if not (lay.bucket_mb and abs(lay.bucket_mb - block) <= 0.05 * block):
+            units = f"{lay.bucket_mb:g} MiB" if lay.bucket_mb else "a whole stage"
+            notes.append(f"zero 3 units of {units}: Megatron's FSDP2 path wraps each "
+                         f"transformer layer ({block:.0f} MiB); nearest: that")
+        return out
+    if lay.zero:
         if lay.zero == 2:
             notes.append("zero 2: Megatron's distributed optimizer shards the optimizer "
                          "state and reduce-scatters gradients, but keeps a full fp32 "

@@ -121,8 +121,13 @@ def search(args: argparse.Namespace) -> int:
             log(measured_table(measured))
             if measured and measured[0].median_s is not None:
                 result = dataclasses.replace(result, best=measured[0].record)
+    recipe = None  # the framework's own default, priced once for both uses below
     if args.target and result.best is not None:
-        result = _recipe_if_faster(args.target, ev, result)
+        from planner.report.frameworks.recipes import best_recipe
+        from planner.search.space import layer_units_mb
+
+        recipe = best_recipe(args.target, ev, layer_units_mb(ev))
+        result = _recipe_if_faster(args.target, recipe, result)
     files = write_outputs(out, spec, cluster_name, args.gpus, batch, result, ev.precision)
     log(results_table(result.records))
     total = time.perf_counter() - t0
@@ -172,7 +177,7 @@ def search(args: argparse.Namespace) -> int:
         f"{files['trials'].name} (every trial) and {files['summary'].name}")
     for w in warnings:
         log(f"warning: {w}")
-    default = _target_default(args.target, ev, b) if args.target else None
+    default = _target_default(args.target, recipe, b) if args.target else None
     said = accuracy_line(cluster.name, moe=bool(ev.graph.experts))
     log(said)
     if args.json:
@@ -216,16 +221,14 @@ def _least_without_cp(space: Any, ev: Any) -> int | None:
                 for v in space.variants(p)), default=None)
 
 
-def _recipe_if_faster(target: str, ev: Any, result: Any) -> Any:
-    """`result` with the framework's own default recipe as its best when no trial beat it:
-    a targeted search answers with at least what the framework would run by default."""
+def _recipe_if_faster(target: str, found: Any, result: Any) -> Any:
+    """`result` with the framework's own default recipe (`found`: its label and
+    evaluation, or None) as its best when no trial beat it: a targeted search answers with
+    at least what the framework would run by default."""
     from cost_models import predicted_json
     from planner.commands.common import log
-    from planner.report.frameworks.recipes import best_recipe
     from planner.search.records import TrialRecord
-    from planner.search.space import layer_units_mb
 
-    found = best_recipe(target, ev, layer_units_mb(ev))
     if found is None:
         return result
     label, e = found
@@ -238,16 +241,13 @@ def _recipe_if_faster(target: str, ev: Any, result: Any) -> Any:
     return dataclasses.replace(result, best=best)
 
 
-def _target_default(target: str, ev: Any, best: Any) -> dict[str, Any] | None:
-    """The framework's own default recipe for the model, in the same simulator, against the
-    targeted search's pick: said on stderr, returned for --json."""
+def _target_default(target: str, found: Any, best: Any) -> dict[str, Any] | None:
+    """The framework's own default recipe for the model (`found`), in the same simulator,
+    against the targeted search's pick: said on stderr, returned for --json."""
     from cost_models import predicted_json
     from planner.commands.common import log
-    from planner.report.frameworks.recipes import best_recipe
     from planner.report.tables import predicted_line
-    from planner.search.space import layer_units_mb
 
-    found = best_recipe(target, ev, layer_units_mb(ev))
     if found is None:
         log(f"{target}'s default recipes: none fits or applies to this model and cluster")
         return None

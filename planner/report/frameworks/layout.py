@@ -95,6 +95,18 @@ class Layout:
         """Samples per data-parallel replica per step."""
         return self.global_batch // self.dp
 
+    @property
+    def block_mib(self) -> float:
+        """MiB of one transformer block's parameters on a rank (split tp ways): the FSDP
+        unit torchtitan and Megatron's FSDP2 path wrap."""
+        return self.model.layer_mib / self.tp
+
+    @property
+    def units_are_blocks(self) -> bool:
+        """The strategy's buckets are one transformer block each (within 5%)."""
+        block = self.block_mib
+        return bool(self.bucket_mb) and abs(self.bucket_mb - block) <= 0.05 * block
+
 
 def layout(program: Program, summary: dict[str, Any], global_batch: int, gpus: int,
            spec: ModelSpec | None, precision: str = "bf16-mixed") -> Layout:

@@ -6,8 +6,9 @@ interleaved or not, as --pipeline-model-parallel-layout), --sequence-parallel,
 the world. ZeRO-1 is the distributed optimizer (which also reduce-scatters the gradients:
 its memory is ZeRO-1's, a full fp32 gradient buffer stays), ZeRO-3 is Megatron's
 torch-FSDP2 path. --overlap-grad-reduce (and --overlap-param-gather with the distributed
-optimizer) is what a comm stream does; --tp-comm-overlap goes with sequence parallelism. Recompute: full is --recompute-granularity full
-(uniform, one layer per checkpoint), selective is Megatron's own (its core attention).
+optimizer) is what a comm stream does; --tp-comm-overlap goes with sequence parallelism.
+Recompute: full is --recompute-granularity full (uniform, one layer per checkpoint),
+selective is Megatron's own (its core attention).
 """
 
 from __future__ import annotations
@@ -115,11 +116,10 @@ def _data_parallel(lay: Layout, notes: list[str]) -> list[str]:
         if lay.pp > 1:
             raise PiperError("zero 3 with pipeline parallelism: Megatron-LM's FSDP2 path "
                              "does not run with a pipeline")
-        block = lay.model.layer_mib / lay.tp
-        if not (lay.bucket_mb and abs(lay.bucket_mb - block) <= 0.05 * block):
+        if not lay.units_are_blocks:
             units = f"{lay.bucket_mb:g} MiB" if lay.bucket_mb else "a whole stage"
             notes.append(f"zero 3 units of {units}: Megatron's FSDP2 path wraps each "
-                         f"transformer layer ({block:.0f} MiB); nearest: that")
+                         f"transformer layer ({lay.block_mib:.0f} MiB); nearest: that")
         return out
     if lay.zero:
         if lay.zero == 2:

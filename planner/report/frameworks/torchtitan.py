@@ -64,10 +64,9 @@ def torchtitan_config(lay: Layout) -> Exported:
     if lay.capacity:
         notes.append(f"capacity factor {lay.capacity:g}: torchtitan's experts are dropless; "
                      "nothing drops there")
-    block = lay.model.layer_mib / lay.tp
-    if lay.bucket_mb and lay.zero and not abs(lay.bucket_mb - block) <= 0.05 * block:
+    if lay.bucket_mb and lay.zero and not lay.units_are_blocks:
         notes.append(f"buckets of {lay.bucket_mb:g} MiB: torchtitan wraps one FSDP unit per "
-                     f"transformer block ({block:.0f} MiB) instead")
+                     f"transformer block ({lay.block_mib:.0f} MiB) instead")
     parallelism: dict[str, Any] = {
         "data_parallel_replicate_degree": replicate, "data_parallel_shard_degree": shard,
         "fsdp_reshard_after_forward": reshard, "tensor_parallel_degree": lay.tp,

@@ -17,6 +17,7 @@ from torch.export.graph_signature import InputKind
 
 from piper.capture import Captured
 from piper.errors import PiperError
+from runtime.execute.fused import fuse_elementwise
 from runtime.execute.regather import regather_sequence
 
 
@@ -92,6 +93,7 @@ def build_stage(captured: Captured, regions: set[int], device: torch.device) -> 
     new.output(tuple(env[n] for n in outputs))
     gm = fx.GraphModule(torch.nn.Module(), new)
     regather_sequence(gm)
+    fuse_elementwise(gm)
     return StageModule(gm, tuple(inputs), tuple(n.name for n in outputs), tuple(model_outs),
                        captured.out_spec, leaves if model_outs else ())
 

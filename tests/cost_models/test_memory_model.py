@@ -100,6 +100,26 @@ def test_a_layer_keeps_what_korthikanti_counts(tp: int, sp: bool) -> None:
     assert c.recompute_bytes[layer] * half / (s * b * h) == pytest.approx(kept, rel=0.01)
 
 
+@pytest.mark.parametrize(("tp", "sp"), [(1, False), (2, False), (2, True)])
+def test_a_llama_layer_keeps_within_a_tenth_of_korthikanti(tp: int, sp: bool) -> None:
+    """Korthikanti et al.'s accounting for a Llama layer (RMSNorm, GQA, SwiGLU, flash
+    attention, no dropout) with fused kernels, in 16-bit s·b·h: each norm keeps its input (2),
+    each projection its input (2), attention q, k, v and its output (2 + 4·kv/heads + 2), the
+    gated MLP its gate, up and their product (6·ffn/h). Under TP the norms' inputs and the
+    projections' inputs stay whole (8) and the rest is split; SP splits all of it."""
+    spec = load_model_file(str(ROOT / "examples" / "llama.py"),
+                           (("size", "tiny"), ("dim", 256), ("heads", 8), ("kv_heads", 2),
+                            ("ffn", 704), ("seq", 64)))
+    b, s, h = 2, 64, 256
+    sharding = ModelSharding(tp=tp, tp_plan=spec.tp_plan, sp=sp) if tp > 1 else None
+    c = model_costs(piper.capture(spec, b, sharding))
+    split = 4 + 4 * 2 / 8 + 6 * 704 / h
+    formula = (8 + split) / tp if sp else 8 + split / tp
+    got = c.activation_bytes[c.regions.index("layer.1")] * 2 / 4 / (s * b * h)
+    assert got == pytest.approx(formula, rel=0.10)
+    assert got > formula, "the projection's copy of attention's output (CPU flash's layout)"
+
+
 def test_recompute_keeps_far_less_per_microbatch(make_plan: Callable[..., Plan],
                                                  costs: ModelCosts) -> None:
     plan = make_plan("1f1b", pp=2, microbatches=4)

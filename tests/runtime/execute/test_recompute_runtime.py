@@ -106,18 +106,24 @@ def test_recompute_lowers_the_measured_activation_peak_of_the_same_plan(ray_sess
 
 
 @pytest.fixture(scope="module")
-def llama_stage() -> tuple[piper.Captured, StageModule, list[torch.Tensor], object]:
-    """The tiny Llama's first stage (embed, layer.0, layer.1: RMSNorm, rotary embeddings,
-    SwiGLU) with real parameters and tokens, and the memory model's figures for it."""
-    cap, sm, args = _first_stage(str(ROOT / "examples" / "llama.py"))
-    return cap, sm, args, saved_bytes(cap)
+def llama_stages() -> dict[str, tuple[piper.Captured, StageModule, list[torch.Tensor], object]]:
+    """Per policy, a tiny Llama's first stage (embed, layer.0, layer.1: RMSNorm, rotary
+    embeddings, SwiGLU) with real parameters and tokens, and the memory model's figures for
+    it: `examples/llama.py` for `attention`; for `op`, the same model with norms written out
+    op by op (the runtime fuses `rms_norm` and SwiGLU already, leaving `op` nothing there)."""
+    out = {}
+    for policy, model in (("attention", ROOT / "examples" / "llama.py"),
+                          ("op", ROOT / "tests" / "models" / "hand_norm_llama.py")):
+        cap, sm, args = _first_stage(str(model))
+        out[policy] = (cap, sm, args, saved_bytes(cap))
+    return out
 
 
 @pytest.mark.parametrize("policy", ["attention", "op"])
 @pytest.mark.parametrize("deferred", [False, True], ids=["B", "I+W"])
 def test_selective_recompute_computes_the_same_and_keeps_what_the_memory_model_says(
-        llama_stage, policy: str, deferred: bool) -> None:
-    cap, sm, args, figures = llama_stage
+        llama_stages, policy: str, deferred: bool) -> None:
+    cap, sm, args, figures = llama_stages[policy]
     if deferred:
         params = {i for i, (kind, _) in enumerate(sm.inputs) if kind == "param"}
         sm = replace(sm, module=defer_weight_grads(sm.module, params)[0])

@@ -1,0 +1,117 @@
+"""Fused norm and gated activation: keep only their inputs for backward, as fused kernels do.
+
+Eager autograd keeps more than a transformer layer needs. `rms_norm` is composite on CPU (and
+on meta), so its backward holds the input, the normalised copy and the statistics; SwiGLU's
+`silu(gate) * up` holds the gate, silu's output and `up`. The kernels the best stacks run keep
+less: Apex/Transformer Engine's fused RMSNorm saves the input and the inverse RMS (the CUDA
+`_fused_rms_norm` too), Megatron-LM's `bias_swiglu` saves its input and recomputes silu in
+the backward. Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large
+Transformer Models", sec. 4) count activations so: a norm keeps its input, a gated MLP its
+two inputs and the product the down projection reads.
+
+`fuse_elementwise` rewrites a stage module so (each node keeps its name, so the region map
+and the recompute passes still see it): every `aten.rms_norm` becomes `rms_norm`, and every
+`silu(a) * b` or `gelu(a) * b` whose activation feeds only the product becomes `gated`.
+Both are autograd functions whose forward runs the same ATen ops under the same autocast
+state (identical values) and keeps the inputs; the backward runs those ops again, under that
+state, and differentiates them. The memory model builds its stage modules the same way
+(`cost_models.saved`), so it counts what the runtime keeps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import fx
+
+_aten = torch.ops.aten
+_ACTIVATIONS = (_aten.silu.default, _aten.gelu.default)
+
+
+def _autocast_state(device: str) -> tuple[bool, torch.dtype | None]:
+    if torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device):
+        return True, torch.get_autocast_dtype(device)
+    return False, None
+
+
+class _KeepInputs(torch.autograd.Function):
+    """Runs `fn(*tensors)` keeping only `tensors`; the backward runs it again and
+    differentiates it (a fused kernel's contract: inputs in, nothing else kept)."""
+
+    @staticmethod
+    def forward(ctx: Any, fn: Callable[..., torch.Tensor], *tensors: torch.Tensor | None
+                ) -> torch.Tensor:
+        ctx.fn = fn
+        ctx.mask = [t is not None for t in tensors]
+        ctx.device = next(t.device.type for t in tensors if t is not None)
+        ctx.autocast = _autocast_state(ctx.device)
+        ctx.save_for_backward(*(t for t in tensors if t is not None))
+        return fn(*tensors)
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        kept = iter(ctx.saved_tensors)
+        args = [next(kept) if present else None for present in ctx.mask]
+        need = ctx.needs_input_grad[1:]
+        leaves = [a.detach().requires_grad_(bool(n)) if a is not None else None
+                  for a, n in zip(args, need, strict=True)]
+        enabled, dtype = ctx.autocast
+        with torch.enable_grad(), torch.autocast(ctx.device, dtype=dtype, enabled=enabled):
+            y = ctx.fn(*leaves)
+        wanted = [t for t, n in zip(leaves, need, strict=True) if n and t is not None]
+        grads = iter(torch.autograd.grad(y, wanted, dy) if wanted else ())
+        return (None, *(next(grads) if n and t is not None else None
+                         for t, n in zip(leaves, need, strict=True)))
+
+
+def rms_norm(x: torch.Tensor, shape: Sequence[int], weight: torch.Tensor | None = None,
+             eps: float | None = None) -> torch.Tensor:
+    """`aten.rms_norm` keeping its input and weight only."""
+    shape = list(shape)
+    return _KeepInputs.apply(lambda a, w: _aten.rms_norm.default(a, shape, w, eps), x, weight)
+
+
+def gated(a: torch.Tensor, b: torch.Tensor, act: Any, act_kwargs: tuple[tuple[str, Any], ...],
+          act_first: bool) -> torch.Tensor:
+    """`act(a, **act_kwargs) * b` (or `b * act(...)`) keeping `a` and `b` only."""
+    def fn(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = act(x, **dict(act_kwargs))
+        return _aten.mul.Tensor(h, y) if act_first else _aten.mul.Tensor(y, h)
+
+    return _KeepInputs.apply(fn, a, b)
+
+
+def _tensor(n: Any) -> bool:
+    return isinstance(n, fx.Node) and isinstance(n.meta.get("val"), torch.Tensor)
+
+
+def fuse_elementwise(gm: fx.GraphModule) -> int:
+    """Rewrite `gm` in place (see the module docstring); returns how many ops were fused."""
+    fused = 0
+    for n in list(gm.graph.nodes):
+        if n.op != "call_function":
+            continue
+        if n.target is _aten.rms_norm.default and _tensor(n.args[0]) and not n.kwargs:
+            x, shape, *rest = n.args
+            n.target, n.args = rms_norm, (x, shape, *rest)
+            fused += 1
+        elif n.target is _aten.mul.Tensor and len(n.args) == 2 and not n.kwargs:
+            for i, act in enumerate(n.args):
+                other = n.args[1 - i]
+                if (isinstance(act, fx.Node) and act.op == "call_function"
+                        and act.target in _ACTIVATIONS and len(act.users) == 1
+                        and len(act.args) == 1
+                        and _tensor(act.args[0]) and _tensor(other) and other is not act
+                        and act.meta["val"].shape == n.meta.get("val", act.meta["val"]).shape
+                        and other.meta["val"].shape == act.meta["val"].shape):
+                    n.target = gated
+                    n.args = (act.args[0], other, act.target, tuple(act.kwargs.items()),
+                              i == 0)
+                    gm.graph.erase_node(act)
+                    fused += 1
+                    break
+    if fused:
+        gm.recompile()
+    return fused

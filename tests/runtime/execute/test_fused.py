@@ -1,0 +1,91 @@
+"""The runtime's fused norm and gated activation: the same values and gradients as the ATen
+ops they replace (fp32 and under bf16 autocast), keeping only their inputs for backward."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import fx
+
+from runtime.execute.fused import fuse_elementwise
+
+
+class _Layer(torch.nn.Module):
+    def __init__(self, act: str) -> None:
+        super().__init__()
+        self.norm = torch.nn.RMSNorm(16)
+        self.gate, self.up = torch.nn.Linear(16, 32), torch.nn.Linear(16, 32)
+        self.down = torch.nn.Linear(32, 16)
+        self.act = act
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm(x)
+        g = F.silu(self.gate(h)) if self.act == "silu" else F.gelu(self.gate(h), approximate="tanh")
+        return x + self.down(self.up(h) * g)
+
+
+def _graphs(act: str) -> tuple[fx.GraphModule, fx.GraphModule, dict[str, torch.Tensor]]:
+    torch.manual_seed(0)
+    layer = _Layer(act)
+    x = torch.randn(2, 8, 16)
+    ep = torch.export.export(layer, (x,))
+    plain = ep.module()
+    fused = ep.module()
+    assert fuse_elementwise(fused) == 2, "the norm and the gated product"
+    return plain, fused, dict(layer.named_parameters())
+
+
+def _run(gm: fx.GraphModule, x: torch.Tensor, bf16: bool) -> tuple[torch.Tensor, list, int]:
+    """Output, gradients (input and parameters) and bytes packed for backward."""
+    packed: dict[int, int] = {}
+    params = {p.untyped_storage()._cdata for p in gm.parameters()}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        key = t.untyped_storage()._cdata
+        if key not in params:
+            packed[key] = t.untyped_storage().nbytes()
+        return t
+
+    for p in gm.parameters():
+        p.grad = None
+    x = x.clone().requires_grad_(True)
+    with (torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
+          torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16)):
+        y = gm(x)
+    y.float().pow(2).sum().backward()
+    return y, [x.grad, *(p.grad for p in gm.parameters())], sum(packed.values())
+
+
+@pytest.mark.parametrize("act", ["silu", "gelu"])
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16-autocast"])
+def test_fused_ops_compute_the_same_and_keep_less(act: str, bf16: bool) -> None:
+    plain, fused, _ = _graphs(act)
+    x = torch.randn(2, 8, 16)
+    y0, g0, kept0 = _run(plain, x, bf16)
+    y1, g1, kept1 = _run(fused, x, bf16)
+    assert y1.dtype == y0.dtype and torch.equal(y0, y1)
+    for a, b in zip(g0, g1, strict=True):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)  # summation order only
+    # the norm's normalised copy (2·8·16) and the activation's output (2·8·32) are gone
+    size = 2 if bf16 else 4
+    assert kept0 - kept1 >= 2 * 8 * 32 * size + 2 * 8 * 16 * 4
+
+
+def test_an_activation_read_twice_is_left_alone() -> None:
+    def f(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        s = F.silu(a)
+        return s * b + s
+
+    ep = torch.export.export(_Wrap(f), (torch.randn(4), torch.randn(4)))
+    gm = ep.module()
+    assert fuse_elementwise(gm) == 0
+
+
+class _Wrap(torch.nn.Module):
+    def __init__(self, f) -> None:
+        super().__init__()
+        self.f = f
+
+    def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return self.f(a, b)

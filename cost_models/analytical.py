@@ -121,6 +121,8 @@ class ModelCosts:
     routed_flops: tuple[int, ...] = ()
     """Per region, the part of `forward_flops` that is routed experts' GEMMs (`piper.moe`):
     the work a skewed router loads unevenly on the ranks of an EP group."""
+    cast_params: tuple[int, ...] = ()
+    """Per region, elements of the parameters matmuls read (bf16-mixed casts them once)."""
     _ops_match: bool = field(init=False, repr=False, compare=False, hash=False, default=False)
 
     def __post_init__(self) -> None:
@@ -128,7 +130,7 @@ class ModelCosts:
         if not (len(self.forward_flops) == len(self.activation_bytes) == len(self.params) == n):
             raise ValueError("ModelCosts: every per-region tuple must have one entry per region")
         for f in ("ops", "param_tensors", "recompute_bytes", "output_bytes",
-                  "largest_params", "routed_flops"):
+                  "largest_params", "routed_flops", "cast_params"):
             if getattr(self, f) and len(getattr(self, f)) != n:
                 raise ValueError(f"ModelCosts: {f} must be empty or have one entry per region")
         # op records describe `forward_flops`; figures replaced without them (a what-if
@@ -290,7 +292,7 @@ def model_costs(captured: Captured) -> ModelCosts:
         selective_bytes=tuple(measured.selective.items()) if measured else (),
         recompute_ops=again,
         routed_flops=tuple(counter.routed) if any(counter.routed) else (),
-    )
+        cast_params=measured.cast if measured else ())
 
 
 _Key = OpKey

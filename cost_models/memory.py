@@ -3,7 +3,9 @@
 Static bytes follow the ZeRO paper's accounting (Rajbhandari et al. 2020) for an fp32 model
 with AdamW: K = 16 bytes per parameter at ZeRO-0 (value 4 + gradient 4 + two moments 8).
 Over N data-parallel replicas, ZeRO-1 shards the optimizer state (4 + 4 + 8/N), ZeRO-2 also
-the gradients (4 + 12/N), ZeRO-3 everything (16/N). ZeRO-3 adds the stage's gathered
+the gradients (4 + 12/N), ZeRO-3 everything (16/N). Under bf16-mixed, ZeRO-1/2 keep the
+weights in bf16 and the fp32 master with the optimizer state (2 + 4 + 12/N at ZeRO-1, as
+Megatron-LM's distributed optimizer; `state_split`). ZeRO-3 adds the stage's gathered
 parameters while one of its chunks runs (in units, two units: `runtime.execute.unit_gather`);
 ZeRO-2/3 add a microbatch's full gradient from its backward to its reduce-scatter, or with
 units whose reduce-scatters start inside the backward (`runtime.execute.zero`) at most two units
@@ -66,14 +68,39 @@ def tied_copies(plan: Plan) -> tuple[tuple[int, int], ...]:
     return tuple((a, b) for a, b in out)
 
 
+def state_split(costs: ModelCosts, zero: int, replicas: int) -> tuple[float, float, float]:
+    """Bytes per parameter per rank of (weights, gradients, optimizer state) at a ZeRO stage
+    over `replicas`: the paper's (`zero_bytes_per_param`), except under bf16-mixed at ZeRO-1/2,
+    where the runtime keeps Megatron-LM's distributed-optimizer layout
+    (`runtime.execute.zero`): bf16 weights whole, fp32 gradients (whole at ZeRO-1) and the
+    fp32 master weights sharded with the moments (2 + 4 + 12/N at ZeRO-1)."""
+    e, o, n = costs.element_size, costs.optimizer_bytes, replicas
+    grads = e / n if zero >= 2 else e
+    low = costs.wire_element_size
+    if zero in (1, 2) and 0 < low < e:
+        return low, grads, (e + o) / n
+    return e / n if zero >= 3 else e, grads, o / n if zero >= 1 else o
+
+
+def cast_bytes(costs: ModelCosts, regions: Sequence[str], zero: int) -> int:
+    """bf16-mixed at ZeRO-0: the step's one bf16 cast of the fp32 parameters that matmuls
+    read (`runtime.execute.chunk_math.ChunkMath.step_casts`), held from the first forward to
+    the step's end. ZeRO-1/2/3 keep their flat buffers in bf16 and cast nothing."""
+    low = costs.wire_element_size
+    if zero or not 0 < low < costs.element_size or not costs.cast_params:
+        return 0
+    return low * sum(costs.cast_params[costs.regions.index(r)] for r in regions)
+
+
 def static_bytes(plan: Plan, costs: ModelCosts) -> tuple[int, ...]:
-    """Per rank: parameters, gradients and optimizer state of the stages it holds."""
+    """Per rank: parameters (and their bf16 casts), gradients and optimizer state of the
+    stages it holds."""
     params = stage_params(plan, costs)
-    per = zero_bytes_per_param(costs.element_size, plan.zero, plan.shard_ways,
-                               costs.optimizer_bytes)
-    whole = zero_bytes_per_param(costs.element_size, 0, plan.shard_ways, costs.optimizer_bytes)
+    per = sum(state_split(costs, plan.zero, plan.shard_ways))
+    whole = sum(state_split(costs, 0, plan.shard_ways))
     tied = tied_copies(plan)
     return tuple(round(sum(per * (params[s] - tied[s][1]) + whole * tied[s][0]
+                           + cast_bytes(costs, plan.stage_regions[s], plan.zero)
                            for s in rp.stages)) for rp in plan.ranks)
 
 
@@ -131,17 +158,19 @@ class StageMemory:
                  else (0, 0) for s, rs in enumerate(stage_regions)]
         size = gathered_element_size(costs, zero)  # ZeRO-3's gathered copies, their grads
         full = tuple(size * costs.params_of(rs) for rs in stage_regions)
+        # ZeRO-1/2's microbatch gradients are in the master's dtype (fp32 main gradients)
+        grad_size = size if zero == 3 else costs.element_size
         none = tuple(0 for _ in full)
         gathered = full
         if zero == 3 and bucket_bytes and not paired:  # FSDP's units inside the chunk
             gathered = tuple(min(f, 2 * size * max(bucket_bytes // costs.element_size,
                                                    costs.largest_param_of(rs) or 0))
                              for f, rs in zip(full, stage_regions, strict=True))
-        grad = list(full if zero >= 2 else none)
+        grad = [grad_size * costs.params_of(rs) if zero >= 2 else 0 for rs in stage_regions]
         for s in early:
             largest = costs.largest_param_of(stage_regions[s])
             if largest is not None:
-                unit = max(bucket_bytes, size * largest)
+                unit = max(bucket_bytes, grad_size * largest)
                 grad[s] = min(grad[s], 2 * unit)
         return StageMemory(act, tuple(r for r, _ in extra), tuple(h for _, h in extra),
                            gathered if zero == 3 else none, tuple(grad), again)
@@ -209,15 +238,16 @@ class MemoryParts:
 def static_parts(plan: Plan, costs: ModelCosts) -> tuple[tuple[int, int, int], ...]:
     """Per rank: (weights, gradients, optimizer state) bytes of `static_bytes`, each sharded
     as its ZeRO stage shards it (tied copies whole)."""
-    e, o, n, z = costs.element_size, costs.optimizer_bytes, plan.shard_ways, plan.zero
-    share = (1 / n if z >= 3 else 1, 1 / n if z >= 2 else 1, 1 / n if z >= 1 else 1)
+    per = state_split(costs, plan.zero, plan.shard_ways)
+    at_zero0 = state_split(costs, 0, plan.shard_ways)
     params, tied = stage_params(plan, costs), tied_copies(plan)
     out = []
     for rp in plan.ranks:
         sharded = sum(params[s] - tied[s][1] for s in rp.stages)
         whole = sum(tied[s][0] for s in rp.stages)
-        out.append(tuple(round(b * (f * sharded + whole))
-                         for b, f in zip((e, e, o), share, strict=True)))
+        w, g, o = (round(b * sharded + z * whole) for b, z in zip(per, at_zero0, strict=True))
+        w += sum(cast_bytes(costs, plan.stage_regions[s], plan.zero) for s in rp.stages)
+        out.append((w, g, o))
     return tuple(out)
 
 

@@ -30,6 +30,7 @@ from runtime.execute.memory import SavedTensors
 from runtime.execute.recompute import checkpointing
 from runtime.execute.selective import meta_args, segments
 from runtime.execute.stage_module import StageModule, build_stage
+from runtime.execute.weight_grad import weight_matmul
 
 _META = torch.device("meta")
 SELECTIVE = tuple(p for p in POLICIES if p != "full")
@@ -47,6 +48,9 @@ class Figures:
     tails: tuple[int, ...]
     selective: dict[str, tuple[int, ...]]
     recomputed: dict[str, tuple[frozenset[str], ...]]
+    cast: tuple[int, ...] = ()
+    """Per region, elements of its parameters a matmul-class op reads (autocast casts them
+    to bf16: `runtime.execute.chunk_math.ChunkMath.step_casts` keeps one cast a step)."""
 
 
 def saved_bytes(captured: Captured) -> Figures | None:
@@ -58,15 +62,16 @@ def saved_bytes(captured: Captured) -> Figures | None:
             rows.append(_region(captured, i))
     except Exception:  # noqa: BLE001 - an op without a meta kernel or autograd formula
         return None
-    saved, inputs, tails, selective = zip(*rows, strict=True)
+    saved, inputs, tails, selective, cast = zip(*rows, strict=True)
     return Figures(saved, inputs, tails,
                    {p: tuple(r[p][0] for r in selective) for p in SELECTIVE},
-                   {p: tuple(r[p][1] for r in selective) for p in SELECTIVE})
+                   {p: tuple(r[p][1] for r in selective) for p in SELECTIVE}, cast)
 
 
 def _region(captured: Captured, index: int
-            ) -> tuple[int, int, int, dict[str, tuple[int, frozenset[str]]]]:
+            ) -> tuple[int, int, int, dict[str, tuple[int, frozenset[str]]], int]:
     sm = build_stage(captured, {index}, _META)
+    cast = _cast_params(sm)
     _fused_attention(sm.module)
     policies = {}
     for policy in SELECTIVE:
@@ -84,7 +89,28 @@ def _region(captured: Captured, index: int
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         outs = dict(zip(sm.outputs, sm.module(*args)))
     tail = _output_tail(captured, sm, outs, state | set(packed))
-    return sum(packed.values()) + tail, input_bytes + tail, tail, policies
+    return sum(packed.values()) + tail, input_bytes + tail, tail, policies, cast
+
+
+_aten = torch.ops.aten
+_MATMULS = frozenset({_aten.linear, _aten.mm, _aten.matmul, _aten.bmm, _aten.addmm,
+                      _aten.baddbmm, _aten.convolution, _aten.conv1d, _aten.conv2d,
+                      _aten.conv3d})
+"""ATen overload packets autocast runs in bf16, casting their fp32 operands."""
+
+
+def _cast_params(sm: StageModule) -> int:
+    """Elements of `sm`'s parameters some matmul-class op (or the runtime's `weight_matmul`,
+    which casts as autocast would) reads."""
+    def matmul(u: torch.fx.Node) -> bool:
+        t = u.target
+        return u.op == "call_function" and (
+            getattr(t, "overloadpacket", None) in _MATMULS or t is weight_matmul)
+
+    placeholders = [n for n in sm.module.graph.nodes if n.op == "placeholder"]
+    return sum(n.meta["val"].numel() for (kind, _), n in zip(sm.inputs, placeholders,
+                                                             strict=True)
+               if kind == "param" and any(map(matmul, n.users)))
 
 
 def _selective(captured: Captured, sm: StageModule, policy: str

@@ -230,9 +230,10 @@ def _wire_bytes(v: Any, costs: ModelCosts) -> float:
 
 
 def gathered_element_size(costs: ModelCosts, zero: int) -> int:
-    """Bytes per element of parameters ZeRO gathers: ZeRO-3 under bf16 training gathers
-    bf16 copies of its fp32 shards (FSDP2's `param_dtype`); otherwise the parameters'."""
-    return (costs.wire_element_size or costs.element_size) if zero == 3 else costs.element_size
+    """Bytes per element of parameters ZeRO gathers: under bf16 training bf16 copies of the
+    fp32 shards (FSDP2's `param_dtype` at ZeRO-3; at ZeRO-1/2 the bf16 weights Megatron's
+    distributed optimizer gathers after its update); otherwise the parameters'."""
+    return (costs.wire_element_size or costs.element_size) if zero else costs.element_size
 
 
 def task_costs(plan: Plan, costs: ModelCosts, cluster: ClusterSpec,

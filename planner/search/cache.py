@@ -18,7 +18,7 @@ from cost_models import ClusterSpec, ModelCosts, to_toml
 from piper.capture import ModelGraph
 from piper.program import Program
 
-KEY_VERSION = "piper-plan-evaluation-4"
+KEY_VERSION = "piper-plan-evaluation-5"
 """Part of every key: bump it when the meaning of a cached evaluation changes."""
 
 V = TypeVar("V")

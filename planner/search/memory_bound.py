@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Collection, Sequence
 
 from cost_models.analytical import ModelCosts
-from cost_models.memory import StageMemory, zero_bytes_per_param
+from cost_models.memory import StageMemory, cast_bytes, state_split
 from piper.dag import Kind, parse_task
 from piper.directives import Order
 from piper.directives.stream import MOVABLE
@@ -47,12 +47,13 @@ def device_peaks(stage_regions: Sequence[Sequence[str]], stage_device: Sequence[
     paired = any("+" in name for o in orders for name in o.names)
     mem = StageMemory.of(stage_regions, costs, microbatch_size, zero, recompute,
                          bucket_bytes, early, paired, policy)
-    per_param = zero_bytes_per_param(costs.element_size, zero, dp, costs.optimizer_bytes)
+    per_param = sum(state_split(costs, zero, dp))
     order_of = {o.device: o.names for o in orders}  # a pair: its forward first
     peaks = []
     for device in range(max(stage_device) + 1):
         mine = [s for s, d in enumerate(stage_device) if d == device]
-        static = round(per_param * sum(costs.params_of(stage_regions[s]) for s in mine))
+        static = round(sum(per_param * costs.params_of(stage_regions[s])
+                           + cast_bytes(costs, stage_regions[s], zero) for s in mine))
         tasks = order_of.get(device)
         if tasks is None:  # no Order: at least one microbatch is held on some stage
             peaks.append(static + max(mem.act[s] + mem.gathered[s] for s in mine))

@@ -5,7 +5,7 @@ I and W halves of a split backward), in the training precision. A part of `RankE
 
 from __future__ import annotations
 
-from contextlib import nullcontext
+from contextlib import ExitStack, nullcontext
 from typing import Any
 
 import torch
@@ -13,7 +13,7 @@ import torch
 from piper.dag import Kind
 from runtime.execute.memory import SavedTensors
 from runtime.execute.step_state import Saved, StepState, accumulate
-from runtime.execute.weight_grad import WeightGradStore, collecting
+from runtime.execute.weight_grad import WeightGradStore, collecting, shared_casts
 from runtime.execute.zero import ShardedStage, storage_key
 from runtime.lowering.plan import Task
 from runtime.train.data import slice_tree
@@ -27,6 +27,20 @@ class ChunkMath:
         if self.train.precision != "bf16-mixed":
             return nullcontext()
         return torch.autocast(self.device.type, dtype=torch.bfloat16)
+
+    def step_casts(self) -> Any:
+        """bf16-mixed: one bf16 cast of each fp32 parameter per step, shared by every
+        microbatch's forward on this thread, instead of one per microbatch kept until its
+        backward. Autocast's cast cache lives while any autocast region encloses the
+        forwards (cleared when the outermost exits), so a disabled region around the
+        thread's tasks keeps it for the step; `weight_matmul` shares its casts likewise.
+        (ZeRO's flat buffers are bf16 already and are not cast at all.)"""
+        if self.train.precision != "bf16-mixed":
+            return nullcontext()
+        stack = ExitStack()
+        stack.enter_context(torch.autocast(self.device.type, enabled=False))
+        stack.enter_context(shared_casts())
+        return stack
 
     def _wire_dtype(self, dtype: torch.dtype) -> torch.dtype:
         """What a value travels between stages as: bf16 when training in bf16."""

@@ -275,7 +275,8 @@ class RankExecutor(ChunkMath, Checkpointing):
 
     def _run_stream(self, stream: str, tasks: tuple[Task, ...], st: StepState) -> None:
         try:  # the pair lane's in-graph collectives have communicators of their own
-            with self.streams.on(stream), lane(1 if stream == PAIR_STREAM else 0):
+            with (self.streams.on(stream), lane(1 if stream == PAIR_STREAM else 0),
+                  self.step_casts()):
                 self._issue(stream, tasks, st)
         except BaseException as e:  # noqa: BLE001 - handed to the step's caller
             st.error = st.error or e

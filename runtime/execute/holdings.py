@@ -45,5 +45,7 @@ def holdings(optim: dict[Any, torch.optim.Optimizer], names: dict[Any, list[str]
                 boxes += slicing.boxes(name, a, b, off - lo, owner(key, name))
                 whole += slicing.boxes(name, 0, n, off, False)
             u = sh.units[k]
-            out.append(Held(key, u.shard, boxes, (u.flat, whole) if sh.zero < 3 else None))
+            # a shard that is a view of its ZeRO-1/2 buffer loads through the buffer; a
+            # separate (master) shard loads itself and the buffer is gathered from it
+            out.append(Held(key, u.shard, boxes, None if u.separate else (u.flat, whole)))
     return out

@@ -28,6 +28,9 @@ class Checkpointing:
 
         prepare_optimizer_state(self.held, self.optim, folder)
         load(self.checkpoint_state(saving=False), folder)
+        for sh in self.sharded.values():
+            if sh.zero < 3 and any(u.separate for u in sh.units):
+                sh.materialize()  # bf16 buffers from the fp32 master shards just loaded
 
     def _owner(self, key: Any, name: str) -> bool:
         """Whether this rank's copy of parameter `name` (of optimizer `key`) is the one that

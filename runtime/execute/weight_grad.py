@@ -27,6 +27,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import fx
+from torch.utils.weak import WeakIdKeyDictionary
 
 from piper.collectives import sp_gather
 from runtime.execute.zero import storage_key
@@ -92,6 +93,30 @@ def collecting(store: WeightGradStore | None) -> Iterator[None]:
         yield
     finally:
         _local.store = before
+
+
+@contextmanager
+def shared_casts() -> Iterator[None]:
+    """Inside, `weight_matmul` casts each parameter (a leaf) once and every later forward
+    on this thread reuses that cast, as autocast's own cache does for the ATen matmuls while
+    an autocast region encloses them (`runtime.execute.chunk_math.ChunkMath.step_casts`):
+    one low-precision copy per step instead of one per microbatch in flight."""
+    before = getattr(_local, "casts", None)
+    _local.casts = WeakIdKeyDictionary()
+    try:
+        yield
+    finally:
+        _local.casts = before
+
+
+def _cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    casts = getattr(_local, "casts", None)
+    if casts is None or t.dtype == dtype or not (t.is_leaf and t.requires_grad):
+        return t.to(dtype)
+    hit = casts.get(t)
+    if hit is None or hit.dtype != dtype:
+        hit = casts[t] = t.to(dtype)
+    return hit
 
 
 def current_store() -> WeightGradStore | None:
@@ -194,7 +219,7 @@ def weight_matmul(kind: str, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor |
     dev = x.device.type
     if torch.amp.is_autocast_available(dev) and torch.is_autocast_enabled(dev):
         dt = torch.get_autocast_dtype(dev)
-        x, w = x.to(dt), w.to(dt)
+        x, w = x.to(dt), _cast(w, dt)
         b = None if b is None else b.to(dt)
         if shard is not None and again is not None:
             shard = again.cast(shard, dt)

@@ -57,12 +57,18 @@ class _Unit:
             torch.cat([p.detach().reshape(-1) for p in params], out=full[:n])
         lo = group_rank * self.chunk
         # ZeRO-1/2 keep the full parameters, so the shard the optimizer owns is a view of
-        # them; ZeRO-3 frees the full buffer, so its shard is separate memory.
+        # them; ZeRO-3 frees the full buffer, and bf16 training keeps it in bf16 (the
+        # shard is the fp32 master): then the shard is separate memory.
+        low = param_dtype not in (None, full.dtype)
+        self.separate = zero == 3 or low
         owned = full.data[lo:lo + self.chunk]
-        self.shard = torch.nn.Parameter(owned.clone() if zero == 3 else owned)
-        if zero == 3 and param_dtype not in (None, full.dtype):  # gathers low-precision
-            full = full.to(param_dtype)  # copies, as `materialize` makes them
+        self.shard = torch.nn.Parameter(owned.clone() if self.separate else owned)
+        if low:  # gathers low-precision copies, as `materialize` makes them
+            full = full.to(param_dtype)
         self.flat = full
+        # what a microbatch's flat gradient is made in: ZeRO-1/2 accumulate the master's
+        # dtype (Megatron's fp32 main_grad), ZeRO-3 the gathered parameters' (FSDP2)
+        self.grad_dtype = self.flat.dtype if zero == 3 else self.shard.dtype
         self.grad_shard: torch.Tensor | None = None
         self.full_grad: torch.Tensor | None = None  # ZeRO-1 accumulates unsharded
         self.pending: dict[int, torch.Tensor] = {}  # microbatch -> its flat gradient
@@ -77,7 +83,7 @@ class _Unit:
         """One flat gradient from the gradients backward left on this unit's `views`
         (zeros where it left none: an unused parameter, or one W will add), which it
         takes off them."""
-        out = torch.empty(self.chunk * self.size, dtype=self.flat.dtype,
+        out = torch.empty(self.chunk * self.size, dtype=self.grad_dtype,
                           device=self.flat.device)
         out[self.offsets[-1] + self.numels[-1]:].zero_()  # the padding past the last
         for i, v in enumerate(views):
@@ -101,8 +107,11 @@ class ShardedStage:
                  reduce_dtype: torch.dtype | None = None,
                  param_dtype: torch.dtype | None = None) -> None:
         """`reduce_dtype`: what gradients are reduce-scattered in (default: theirs);
-        `param_dtype`: what ZeRO-3 gathers its fp32 shards as (bf16 training: bf16 copies,
-        half the bytes, as FSDP2's `MixedPrecisionPolicy(param_dtype=...)`)."""
+        `param_dtype`: what the flat buffers hold and gather the fp32 shards as (bf16
+        training: bf16, half the bytes, as FSDP2's `MixedPrecisionPolicy(param_dtype=...)`
+        and Megatron-LM's distributed optimizer, whose bf16 parameters beside fp32 main
+        gradients and a sharded fp32 master are what ZeRO-1/2 then keep). The forward reads
+        them as they are, so autocast makes no per-microbatch copy of the weights."""
         self.reduce_dtype = reduce_dtype
         self.zero, self.group, self.size, self.rank = zero, group, group_size, group_rank
         nbytes = [p.numel() * p.element_size() for p in params]
@@ -167,7 +176,7 @@ class ShardedStage:
         storage = u.flat.untyped_storage()
         if storage.nbytes() == 0:
             storage.resize_(u.nbytes)
-        src = (u.shard.data.to(u.flat.dtype) if self.zero == 3
+        src = (u.shard.data.to(u.flat.dtype) if u.separate
                else u.shard.data.clone())  # no aliasing
         self._gathering[k] = (dist.all_gather_single(u.flat.data, src, group=self.group,
                                                      async_op=True), src)
@@ -251,7 +260,7 @@ class ShardedStage:
         return out
 
     def zero_grads(self) -> list[torch.Tensor | None]:
-        return [torch.zeros_like(u.flat.data) for u in self.units]
+        return [torch.zeros_like(u.flat.data, dtype=u.grad_dtype) for u in self.units]
 
     def add_grad(self, mb: int, grads: list[torch.Tensor | None]) -> None:
         for u, g in zip(self.units, grads, strict=True):
@@ -301,10 +310,11 @@ class ShardedStage:
         return [u.grad_shard for u in self.units if u.grad_shard is not None]
 
     def model_state_bytes(self) -> int:
-        """Parameters (full for ZeRO-1/2, the shard for ZeRO-3) and gradients (full for
-        ZeRO-1, the shard for ZeRO-2/3). Optimizer state is counted by the ledger."""
-        return sum((_nbytes(u.shard) if self.zero == 3 else u.nbytes) + _nbytes(u.grad_shard)
-                   + _nbytes(u.full_grad) for u in self.units)
+        """Parameters (full for ZeRO-1/2, and the master shard where it is separate; the
+        shard for ZeRO-3) and gradients (full for ZeRO-1, the shard for ZeRO-2/3).
+        Optimizer state is counted by the ledger."""
+        return sum((_nbytes(u.shard) if u.separate else 0) + (u.nbytes if self.zero < 3 else 0)
+                   + _nbytes(u.grad_shard) + _nbytes(u.full_grad) for u in self.units)
 
     def transient_bytes(self) -> int:
         """Working buffers: ZeRO-3's gathered parameters (when alive) and per-microbatch

@@ -70,6 +70,24 @@ def test_bf16_mixed_matches_single_device_autocast(ray_session, capsys, tokens, 
     assert len({round(r.loss, 6) for r in ref}) == 20
 
 
+def test_bf16_mixed_zero1_resumes_from_its_fp32_master(ray_session, capsys, tmp_path, tokens):
+    """bf16-mixed ZeRO-1 keeps bf16 weights beside an fp32 master shard: a checkpoint holds
+    the master, and a resume gathers the bf16 weights from it, so 3 + 3 steps are 6."""
+    common = ["run", GPT, *TINY, "--gpus", "2", "--dp", "2", "--zero", "1", "--microbatches",
+              "2", "--precision", "bf16-mixed", "--lr", "3e-3", "--data", tokens,
+              "--device", "cpu"]
+    ckpt = str(tmp_path / "ckpt")
+    rc, whole = run_json(capsys, [*common, "--steps", "6"])
+    assert rc == 0
+    rc, _ = run_json(capsys, [*common, "--steps", "3", "--checkpoint-dir", ckpt])
+    assert rc == 0
+    rc, resumed = run_json(capsys, [*common, "--steps", "6", "--checkpoint-dir", ckpt,
+                                    "--resume"])
+    assert rc == 0 and [s["step"] for s in resumed["steps"]] == [4, 5, 6]
+    assert [s["loss"] for s in resumed["steps"]] == pytest.approx(
+        [s["loss"] for s in whole["steps"][3:]], rel=1e-6)
+
+
 # (first strategy, the strategy resumed under, model)
 RESUMES = {
     "same": (["--gpus", "2", "--pp", "2", "--schedule", "zb1p", "--microbatches", "4"],

@@ -70,9 +70,8 @@ def saved_bytes(captured: Captured) -> Figures | None:
 
 def _region(captured: Captured, index: int
             ) -> tuple[int, int, int, dict[str, tuple[int, frozenset[str]]], int]:
-    sm = build_stage(captured, {index}, _META)
+    sm = build_stage(captured, {index}, _META)  # attention as flash keeps it (fused)
     cast = _cast_params(sm)
-    _fused_attention(sm.module)
     policies = {}
     for policy in SELECTIVE:
         policies[policy] = _selective(captured, build_stage(captured, {index}, _META), policy)
@@ -116,7 +115,6 @@ def _cast_params(sm: StageModule) -> int:
 def _selective(captured: Captured, sm: StageModule, policy: str
                ) -> tuple[int, frozenset[str]]:
     """(bytes kept, ops run again) of a region under a selective recompute `policy`."""
-    _fused_attention(sm.module)
     kinds = [kind for kind, _ in sm.inputs]
     picked = segments(sm.module, captured.node_region, kinds, policy)
     rewritten = checkpointing(sm, picked)
@@ -156,43 +154,6 @@ def _output_tail(captured: Captured, sm: StageModule, outs: dict[str, torch.Tens
     for t in outputs:
         pack(t)
     return sum(packed.values())
-
-
-_SDPA = torch.ops.aten.scaled_dot_product_attention.default
-
-
-def _fused_attention(gm: torch.fx.GraphModule) -> None:
-    """Route `scaled_dot_product_attention` to a fused (flash) kernel, as real devices do.
-
-    On meta the dispatcher picks the math fallback, whose softmax saves two t x t matrices
-    per head for backward (2 GiB per sample for one Llama-7B layer at t = 4096, fp32); the
-    flash kernels that CUDA and CPU pick keep only q, k, v, the output and a log-sum-exp
-    row per query, which is what training really holds.
-    """
-    hit = False
-    for n in gm.graph.nodes:  # before any split: the top graph has every op
-        if n.op == "call_function" and n.target is _SDPA:
-            n.target = _flash_attention
-            hit = True
-    if hit:
-        gm.recompile()
-
-
-def _flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                     attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0,
-                     is_causal: bool = False, scale: float | None = None,
-                     enable_gqa: bool = False) -> torch.Tensor:
-    """SDPA through the fused CPU flash op (a meta kernel and an autograd formula; key/value
-    heads may be fewer than query heads, as with `enable_gqa`)."""
-    if q.dim() != 4:
-        return _SDPA(q, k, v, attn_mask, dropout_p, is_causal, scale=scale,
-                     enable_gqa=enable_gqa)
-    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        q, k, v, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)[0]
-
-
-_flash_attention._piper_attention = True  # type: ignore[attr-defined]
-"""`runtime.execute.selective.is_attention` knows it for the attention policy."""
 
 
 def _storage(t: torch.Tensor) -> int:

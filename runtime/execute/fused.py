@@ -14,7 +14,10 @@ and the recompute passes still see it): every `aten.rms_norm` becomes `rms_norm`
 `silu(a) * b` or `gelu(a) * b` whose activation feeds only the product becomes `gated`.
 Both are autograd functions whose forward runs the same ATen ops under the same autocast
 state (identical values) and keeps the inputs; the backward runs those ops again, under that
-state, and differentiates them. The memory model builds its stage modules the same way
+state, and differentiates them. On CPU (and meta) `scaled_dot_product_attention` becomes
+`attention`: the same flash kernel, keeping its output in the [b, s, h, d] layout CUDA's
+kernels give it, so the output projection reads it without a copy (Korthikanti et al. count
+that one tensor). The memory model builds its stage modules the same way on meta
 (`cost_models.saved`), so it counts what the runtime keeps.
 """
 
@@ -83,17 +86,68 @@ def gated(a: torch.Tensor, b: torch.Tensor, act: Any, act_kwargs: tuple[tuple[st
     return _KeepInputs.apply(fn, a, b)
 
 
+class _Attention(torch.autograd.Function):
+    """CPU flash attention with its output laid out [b, s, h, d] (returned as the usual
+    [b, h, s, d] view), as CUDA's flash and memory-efficient kernels lay it out: the output
+    projection's reshape then reads it in place, so one tensor is kept for both backwards
+    (the CPU kernel's own [b, h, s, d] output made the reshape copy it)."""
+
+    @staticmethod
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                scale: float | None) -> torch.Tensor:
+        out, lse = _aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal,
+                                                                     scale=scale)
+        out = out.transpose(1, 2).contiguous().transpose(1, 2)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.causal, ctx.scale = causal, scale
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = _aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dy, q, k, v, out, lse, 0.0, ctx.causal, scale=ctx.scale)
+        return dq, dk, dv, None, None
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0,
+              is_causal: bool = False, scale: float | None = None,
+              enable_gqa: bool = False) -> torch.Tensor:
+    """`scaled_dot_product_attention` on CPU (and meta) through `_Attention` where the flash
+    kernel applies (4-d, no mask, no dropout); cast as autocast casts SDPA's operands."""
+    if q.dim() != 4 or attn_mask is not None or dropout_p or q.device.type not in _FLASH:
+        return _aten.scaled_dot_product_attention.default(
+            q, k, v, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
+    enabled, dtype = _autocast_state(q.device.type)
+    if enabled and q.is_floating_point():
+        q, k, v = (t.to(dtype) for t in (q, k, v))
+    return _Attention.apply(q, k, v, is_causal, scale)
+
+
+_FLASH = ("cpu", "meta")
+"""Devices whose flash kernel returns [b, h, s, d] memory, which `attention` lays out."""
+attention._piper_attention = True  # type: ignore[attr-defined]
+"""`runtime.execute.selective.is_attention` knows it for the attention policy."""
+
+
 def _tensor(n: Any) -> bool:
     return isinstance(n, fx.Node) and isinstance(n.meta.get("val"), torch.Tensor)
 
 
-def fuse_elementwise(gm: fx.GraphModule) -> int:
-    """Rewrite `gm` in place (see the module docstring); returns how many ops were fused."""
+def fuse_elementwise(gm: fx.GraphModule, device: torch.device | None = None) -> int:
+    """Rewrite `gm` in place (see the module docstring); returns how many ops were fused.
+    On a CPU or meta `device` attention also keeps its output in CUDA's layout
+    (`attention`)."""
     fused = 0
+    flash = device is not None and device.type in _FLASH
     for n in list(gm.graph.nodes):
         if n.op != "call_function":
             continue
-        if n.target is _aten.rms_norm.default and _tensor(n.args[0]) and not n.kwargs:
+        if flash and n.target is _aten.scaled_dot_product_attention.default:
+            n.target = attention
+            fused += 1
+        elif n.target is _aten.rms_norm.default and _tensor(n.args[0]) and not n.kwargs:
             x, shape, *rest = n.args
             n.target, n.args = rms_norm, (x, shape, *rest)
             fused += 1

@@ -50,8 +50,8 @@ _EXPENSIVE = frozenset({
 
 
 def is_attention(n: fx.Node) -> bool:
-    """An attention op: ATen's fused ones, or a function marked `_piper_attention` (the
-    memory model's flash stand-in on meta)."""
+    """An attention op: ATen's fused ones, or a function marked `_piper_attention`
+    (`runtime.execute.fused.attention`, what SDPA runs as on CPU and meta)."""
     return n.op == "call_function" and (n.target in ATTENTION
                                         or getattr(n.target, "_piper_attention", False))
 

@@ -93,7 +93,7 @@ def build_stage(captured: Captured, regions: set[int], device: torch.device) -> 
     new.output(tuple(env[n] for n in outputs))
     gm = fx.GraphModule(torch.nn.Module(), new)
     regather_sequence(gm)
-    fuse_elementwise(gm)
+    fuse_elementwise(gm, device)
     return StageModule(gm, tuple(inputs), tuple(n.name for n in outputs), tuple(model_outs),
                        captured.out_spec, leaves if model_outs else ())
 

@@ -101,7 +101,7 @@ def test_a_layer_keeps_what_korthikanti_counts(tp: int, sp: bool) -> None:
 
 
 @pytest.mark.parametrize(("tp", "sp"), [(1, False), (2, False), (2, True)])
-def test_a_llama_layer_keeps_within_a_tenth_of_korthikanti(tp: int, sp: bool) -> None:
+def test_a_llama_layer_keeps_what_korthikanti_counts(tp: int, sp: bool) -> None:
     """Korthikanti et al.'s accounting for a Llama layer (RMSNorm, GQA, SwiGLU, flash
     attention, no dropout) with fused kernels, in 16-bit s·b·h: each norm keeps its input (2),
     each projection its input (2), attention q, k, v and its output (2 + 4·kv/heads + 2), the
@@ -116,8 +116,7 @@ def test_a_llama_layer_keeps_within_a_tenth_of_korthikanti(tp: int, sp: bool) ->
     split = 4 + 4 * 2 / 8 + 6 * 704 / h
     formula = (8 + split) / tp if sp else 8 + split / tp
     got = c.activation_bytes[c.regions.index("layer.1")] * 2 / 4 / (s * b * h)
-    assert got == pytest.approx(formula, rel=0.10)
-    assert got > formula, "the projection's copy of attention's output (CPU flash's layout)"
+    assert got == pytest.approx(formula, rel=0.03)
 
 
 def test_recompute_keeps_far_less_per_microbatch(make_plan: Callable[..., Plan],

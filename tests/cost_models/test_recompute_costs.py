@@ -139,19 +139,17 @@ def _per_layer(c: ModelCosts) -> dict[str, float]:
 def test_a_llama_layer_keeps_what_fused_kernels_keep(llama_costs, hand_norm_costs) -> None:
     """Per Llama layer under tp + SP at 16 bits, in s·b·h/t, without recompute: the norm's
     input and its output's slice (2 + 2), q, k and v as attention reads them (2 + 4·kv/heads),
-    its output and the output projection's copy of it (2 + 2), the projection's scattered
+    its output, which the output projection reads in place (2), the projection's scattered
     output beside the residual (2), the second norm's output slice (2), gate, up and their
-    product (6·ffn/h): 14 + 4·kv/heads + 6·ffn/h, since the runtime's norm and SwiGLU keep
-    their inputs only (`runtime.execute.fused`). Korthikanti et al.'s accounting with fused
-    kernels gives 12 + 4·kv/heads + 6·ffn/h (31.75 for Llama 3 405B's layer, 33.75 here):
-    CUDA's flash attention lays its output out so that the projection reads it in place."""
+    product (6·ffn/h): 12 + 4·kv/heads + 6·ffn/h, Korthikanti et al.'s accounting with fused
+    kernels (31.75 for Llama 3 405B's layer), since the runtime's norm, SwiGLU and attention
+    keep what fused kernels keep (`runtime.execute.fused`)."""
     got = _per_layer(llama_costs[1])
-    fused = 14 + 4 * LAYER["kv_heads"] / LAYER["heads"] + 6 * LAYER["ffn"] / LAYER["dim"]
-    assert got["none"] == pytest.approx(fused, rel=0.04)
-    assert got["none"] == pytest.approx(fused - 2, rel=0.10)
+    fused = 12 + 4 * LAYER["kv_heads"] / LAYER["heads"] + 6 * LAYER["ffn"] / LAYER["dim"]
+    assert got["none"] == pytest.approx(fused, rel=0.03)
     assert got["op"] == got["none"], "nothing cheap is left worth recomputing"
-    assert got["full"] < got["attention"] < got["none"]
-    assert got["none"] - got["attention"] == pytest.approx(2, abs=0.2), "attention's output"
+    # with flash attention, recomputing it frees only its log-sum-exp statistics
+    assert got["full"] < got["attention"] < got["none"] < got["attention"] + 0.1
     # norms written out op by op keep their normalised copies; `op` recomputes them
     hand = _per_layer(hand_norm_costs[1])
     assert hand["none"] > got["none"] + 3

@@ -89,3 +89,26 @@ class _Wrap(torch.nn.Module):
 
     def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return self.f(a, b)
+
+
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16-autocast"])
+def test_attention_keeps_its_output_in_the_projection_layout(bf16: bool) -> None:
+    """CPU attention through `attention`: SDPA's values and gradients (GQA, causal), an
+    output whose [b, s, h·d] reshape is a view, so the projection keeps no copy of it."""
+    from runtime.execute.fused import attention
+
+    torch.manual_seed(0)
+    q0, k0, v0 = torch.randn(2, 8, 32, 16), torch.randn(2, 2, 32, 16), torch.randn(2, 2, 32, 16)
+    runs = []
+    for f in (F.scaled_dot_product_attention, attention):
+        q, k, v = (t.clone().requires_grad_(True) for t in (q0, k0, v0))
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            y = f(q, k, v, is_causal=True, enable_gqa=True)
+        flat = y.transpose(1, 2).reshape(2, 32, -1)
+        flat.float().pow(2).sum().backward()
+        runs.append((y, flat, q.grad, k.grad, v.grad))
+    (y0, *_, ), (y1, flat1, *_) = runs
+    assert y1.dtype == y0.dtype and torch.equal(y0, y1)
+    assert flat1.untyped_storage().data_ptr() == y1.untyped_storage().data_ptr()
+    for a, b in zip(runs[0][2:], runs[1][2:], strict=True):
+        torch.testing.assert_close(b, a, rtol=0, atol=0)

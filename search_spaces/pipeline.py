@@ -181,9 +181,10 @@ class PipelineSpace(SearchSpace):
         """What an expert runs before searching, torchtitan's defaults: FSDP (the highest
         ZeRO stage over every device, no pipeline) and FSDP with tensor parallelism over a
         node (the largest TP degree), without and with recompute, at the smallest
-        microbatch and the next; the valid ones, most likely first. A search starts from
-        them (`planner.search.loop.starting_points`), so its pick is never worse than these in
-        its own simulator."""
+        microbatch and the next, and where the space splits sequences, FSDP x CP at each
+        degree (torchtitan's long-context layouts); the valid ones, most likely first. A
+        search starts from those that fit (`planner.search.loop.starting_points`), so its
+        pick is never worse than these in its own simulator."""
         keys = set(self.grid())
         zero = max(self.zeros)
         tps = list(dict.fromkeys([1, max(self.tps)]))
@@ -192,15 +193,17 @@ class PipelineSpace(SearchSpace):
         out = []
         plain = [r for r in self.recomputes if r in (False, True)]  # without, and full
         for again, more in itertools.product(plain, (0, 1)):
-            for tp in tps:
+            for tp, cp in [(tp, 1) for tp in tps] + [(1, c) for c in self.cps if c > 1]:
+                if self.gpus % (tp * cp):
+                    continue
                 counts = sorted((m for m in divisors(self.batch_size)
                                  if m <= self.max_microbatches
-                                 and self.batch_size % (self.gpus // tp * m) == 0),
+                                 and self.batch_size % (self.gpus // (tp * cp) * m) == 0),
                                 reverse=True)
                 if more >= len(counts):
                     continue
-                full = {**_DEFAULTS, "schedule": schedule, "zero": zero, "tp": tp, "pp": 1,
-                        "microbatches": counts[more], "recompute": again}
+                full = {**_DEFAULTS, "schedule": schedule, "zero": zero, "tp": tp, "cp": cp,
+                        "pp": 1, "microbatches": counts[more], "recompute": again}
                 if tuple(full[k] for k in _NAMES) in feasible:
                     out.append({k: v for k, v in full.items() if k in keys})
         return out

@@ -93,21 +93,21 @@ class _Attention(torch.autograd.Function):
     (the CPU kernel's own [b, h, s, d] output made the reshape copy it)."""
 
     @staticmethod
-    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
-                scale: float | None) -> torch.Tensor:
-        out, lse = _aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal,
-                                                                     scale=scale)
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                mask: torch.Tensor | None, causal: bool, scale: float | None) -> torch.Tensor:
+        out, lse = _aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, causal, attn_mask=mask, scale=scale)
         out = out.transpose(1, 2).contiguous().transpose(1, 2)
-        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.save_for_backward(q, k, v, out, lse, mask)
         ctx.causal, ctx.scale = causal, scale
         return out
 
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, mask = ctx.saved_tensors
         dq, dk, dv = _aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            dy, q, k, v, out, lse, 0.0, ctx.causal, scale=ctx.scale)
-        return dq, dk, dv, None, None
+            dy, q, k, v, out, lse, 0.0, ctx.causal, attn_mask=mask, scale=ctx.scale)
+        return dq, dk, dv, None, None, None
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -115,14 +115,21 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
               is_causal: bool = False, scale: float | None = None,
               enable_gqa: bool = False) -> torch.Tensor:
     """`scaled_dot_product_attention` on CPU (and meta) through `_Attention` where the flash
-    kernel applies (4-d, no mask, no dropout); cast as autocast casts SDPA's operands."""
-    if q.dim() != 4 or attn_mask is not None or dropout_p or q.device.type not in _FLASH:
+    kernel applies (4-d, no dropout, a mask that needs no gradient); cast as autocast casts
+    SDPA's operands."""
+    if (q.dim() != 4 or dropout_p or q.device.type not in _FLASH
+            or (attn_mask is not None and attn_mask.requires_grad)):
         return _aten.scaled_dot_product_attention.default(
             q, k, v, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
     enabled, dtype = _autocast_state(q.device.type)
     if enabled and q.is_floating_point():
         q, k, v = (t.to(dtype) for t in (q, k, v))
-    return _Attention.apply(q, k, v, is_causal, scale)
+    if attn_mask is not None and attn_mask.dtype == torch.bool:  # as SDPA: -inf where False
+        attn_mask = torch.zeros(attn_mask.shape, dtype=q.dtype, device=q.device
+                                ).masked_fill_(attn_mask.logical_not(), float("-inf"))
+    elif attn_mask is not None:
+        attn_mask = attn_mask.to(q.dtype)
+    return _Attention.apply(q, k, v, attn_mask, is_causal, scale)
 
 
 _FLASH = ("cpu", "meta")

@@ -91,19 +91,25 @@ class _Wrap(torch.nn.Module):
         return self.f(a, b)
 
 
+@pytest.mark.parametrize("mask", [None, "bool", "float"])
 @pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16-autocast"])
-def test_attention_keeps_its_output_in_the_projection_layout(bf16: bool) -> None:
-    """CPU attention through `attention`: SDPA's values and gradients (GQA, causal), an
-    output whose [b, s, h·d] reshape is a view, so the projection keeps no copy of it."""
+def test_attention_keeps_its_output_in_the_projection_layout(bf16: bool, mask: str | None
+                                                             ) -> None:
+    """CPU attention through `attention`: SDPA's values and gradients (GQA; causal, or a
+    boolean or additive mask as Hugging Face passes), an output whose [b, s, h·d] reshape is
+    a view, so the projection keeps no copy of it."""
     from runtime.execute.fused import attention
 
     torch.manual_seed(0)
     q0, k0, v0 = torch.randn(2, 8, 32, 16), torch.randn(2, 2, 32, 16), torch.randn(2, 2, 32, 16)
+    causal = torch.ones(32, 32, dtype=torch.bool).tril()
+    m = {None: None, "bool": causal,
+         "float": torch.zeros(2, 1, 32, 32).masked_fill(~causal, float("-inf"))}[mask]
     runs = []
     for f in (F.scaled_dot_product_attention, attention):
         q, k, v = (t.clone().requires_grad_(True) for t in (q0, k0, v0))
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-            y = f(q, k, v, is_causal=True, enable_gqa=True)
+            y = f(q, k, v, attn_mask=m, is_causal=m is None, enable_gqa=True)
         flat = y.transpose(1, 2).reshape(2, 32, -1)
         flat.float().pow(2).sum().backward()
         runs.append((y, flat, q.grad, k.grad, v.grad))

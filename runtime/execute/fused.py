@@ -1,4 +1,4 @@
-"""Fused norm and gated activation: keep only their inputs for backward, as fused kernels do.
+"""Norm, gated activation and attention keeping for backward what fused kernels keep.
 
 Eager autograd keeps more than a transformer layer needs. `rms_norm` is composite on CPU (and
 on meta), so its backward holds the input, the normalised copy and the statistics; SwiGLU's
@@ -117,6 +117,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     """`scaled_dot_product_attention` on CPU (and meta) through `_Attention` where the flash
     kernel applies (4-d, no dropout, a mask that needs no gradient); cast as autocast casts
     SDPA's operands."""
+    if dropout_p and q.dim() == 4 and q.device.type == "meta":  # measured as flash keeps it
+        return _aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)[0]
     if (q.dim() != 4 or dropout_p or q.device.type not in _FLASH
             or (attn_mask is not None and attn_mask.requires_grad)):
         return _aten.scaled_dot_product_attention.default(

@@ -33,7 +33,8 @@ _aten = torch.ops.aten
 _ACTIVATIONS = (_aten.silu.default, _aten.gelu.default)
 
 
-def _autocast_state(device: str) -> tuple[bool, torch.dtype | None]:
+def autocast_state(device: str) -> tuple[bool, torch.dtype | None]:
+    """(enabled, dtype) of autocast on `device` now: what a cast made here must follow."""
     if torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device):
         return True, torch.get_autocast_dtype(device)
     return False, None
@@ -49,7 +50,7 @@ class _KeepInputs(torch.autograd.Function):
         ctx.fn = fn
         ctx.mask = [t is not None for t in tensors]
         ctx.device = next(t.device.type for t in tensors if t is not None)
-        ctx.autocast = _autocast_state(ctx.device)
+        ctx.autocast = autocast_state(ctx.device)
         ctx.save_for_backward(*(t for t in tensors if t is not None))
         return fn(*tensors)
 
@@ -124,7 +125,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             or (attn_mask is not None and attn_mask.requires_grad)):
         return _aten.scaled_dot_product_attention.default(
             q, k, v, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
-    enabled, dtype = _autocast_state(q.device.type)
+    enabled, dtype = autocast_state(q.device.type)
     if enabled and q.is_floating_point():
         q, k, v = (t.to(dtype) for t in (q, k, v))
     if attn_mask is not None and attn_mask.dtype == torch.bool:  # as SDPA: -inf where False

@@ -30,6 +30,7 @@ from torch import fx
 from torch.utils.weak import WeakIdKeyDictionary
 
 from piper.collectives import sp_gather
+from runtime.execute.fused import autocast_state
 from runtime.execute.zero import storage_key
 
 _local = threading.local()
@@ -216,9 +217,8 @@ def weight_matmul(kind: str, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor |
 
     `shard`: x is the sequence gather of `shard`, which backward gathers again (`again`)
     rather than keeping x (`runtime.execute.regather`). A negative `wkey`: never deferred to W."""
-    dev = x.device.type
-    if torch.amp.is_autocast_available(dev) and torch.is_autocast_enabled(dev):
-        dt = torch.get_autocast_dtype(dev)
+    enabled, dt = autocast_state(x.device.type)
+    if enabled:
         x, w = x.to(dt), _cast(w, dt)
         b = None if b is None else b.to(dt)
         if shard is not None and again is not None:

@@ -214,6 +214,7 @@ def torchtitan() -> list[Run]:
             tp_overlap: bool = False) -> None:
         gbs = local_bs * fsdp
         step = gbs * seq / (gpus * tps)
+        size = (*size, ("repeat_kv", True))  # its model copies key/value heads (repeat_kv)
         c = llama_config(size)
         layer = 2 * c.dim ** 2 + 2 * c.dim * (c.dim // c.heads * c.kv_heads) + 3 * c.dim * c.ffn
         out.append(Run("torchtitan", label, LLAMA, size, cluster, gpus, tp, pp, fsdp,

@@ -41,6 +41,9 @@ class LlamaConfig:
     rope_theta: float = 10000.0
     qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on queries and keys before RoPE
     tie: bool = False  # output projection shares the token embedding
+    # torchtitan's Llama copies each key/value head to its query heads before attention
+    # (`repeat_kv`), so attention and context parallelism move per-query-head keys and values
+    repeat_kv: bool = False
 
 
 CONFIGS = {
@@ -114,6 +117,10 @@ class Block(nn.Module):
         q = rotate(self.q_norm(q.view(b, t, -1, hd)).transpose(1, 2), c.rope_theta)
         k = rotate(self.k_norm(k.view(b, t, -1, hd)).transpose(1, 2), c.rope_theta)
         v = v.view(b, t, -1, hd).transpose(1, 2)
+        if c.repeat_kv:
+            rep = c.heads // c.kv_heads
+            k, v = (x_.unsqueeze(2).expand(b, -1, rep, t, hd).reshape(b, -1, t, hd)
+                    for x_ in (k, v))
         # fused attention (flash on GPUs): no t x t score matrix is kept for backward;
         # enable_gqa lets each key/value head serve heads/kv_heads query heads
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)

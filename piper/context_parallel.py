@@ -85,7 +85,7 @@ class _Attention(torch.autograd.Function):
         ctx.scale, ctx.causal, ctx.degree, ctx.mode = scale, causal, degree, mode
         lse_shape = q.shape[:-1]
         if q.device.type == "meta":  # shapes, and what the real op keeps for backward
-            out = torch.empty_like(q)
+            out = _bshd(torch.empty_like(q, memory_format=torch.contiguous_format))
             lse = q.new_empty(lse_shape, dtype=_acc(q))
             if mode == "all_gather":
                 k, v = _gathered_shape(k, degree), _gathered_shape(v, degree)
@@ -99,8 +99,9 @@ class _Attention(torch.autograd.Function):
             kpos = torch.cat([positions(r, degree, k.shape[-2]) for r in range(degree)]
                              ).to(q.device)
             out, lse = _block(q, k_all, v_all, qpos, kpos, scale, causal)
+            out = _bshd(out.to(q.dtype))
             ctx.save_for_backward(q, k_all, v_all, out, lse)
-            return out.to(q.dtype)
+            return out
         out = lse = None
         kv = torch.stack([k, v])
         for i in range(degree):
@@ -112,8 +113,9 @@ class _Attention(torch.autograd.Function):
                 out, lse = (o, s) if out is None else _merge(out, lse, o, s)
             if nxt is not None:
                 kv = nxt()
+        out = _bshd(out.to(q.dtype))
         ctx.save_for_backward(q, k, v, out, lse)
-        return out.to(q.dtype)
+        return out
 
     @staticmethod
     def backward(ctx: Any, dout: torch.Tensor) -> tuple:
@@ -160,6 +162,14 @@ class _Attention(torch.autograd.Function):
             arriving = _shift(acc, group, degree, _ACC)
         acc = arriving()
         return dq.to(q.dtype), acc[0].to(k.dtype), acc[1].to(v.dtype), *none
+
+
+def _bshd(x: torch.Tensor) -> torch.Tensor:
+    """`x` ([b, heads, t, d]) laid out [b, t, heads, d] in memory, as flash kernels return
+    attention's output: the output projection's [b, t, heads·d] reshape then reads it in
+    place, and one tensor is kept for both backwards (the one saved is the one returned, in
+    the input's dtype, as flash keeps it)."""
+    return x.transpose(1, 2).contiguous().transpose(1, 2)
 
 
 def _acc(x: torch.Tensor) -> torch.dtype:

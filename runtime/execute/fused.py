@@ -17,7 +17,9 @@ state (identical values) and keeps the inputs; the backward runs those ops again
 state, and differentiates them. On CPU (and meta) `scaled_dot_product_attention` becomes
 `attention`: the same flash kernel, keeping its output in the [b, s, h, d] layout CUDA's
 kernels give it, so the output projection reads it without a copy (Korthikanti et al. count
-that one tensor). The memory model builds its stage modules the same way on meta
+that one tensor). Attention whose keys and values are copies of grouped heads made for it
+(`repeat_kv`, as Hugging Face's and torchtitan's Llama write it) reads the grouped heads
+(`enable_gqa`): the copies are not made, nor kept for the backward. The memory model builds its stage modules the same way on meta
 (`cost_models.saved`), so it counts what the runtime keeps.
 """
 
@@ -146,6 +148,67 @@ def _tensor(n: Any) -> bool:
     return isinstance(n, fx.Node) and isinstance(n.meta.get("val"), torch.Tensor)
 
 
+_VIEWS = (_aten.reshape.default, _aten.view.default, _aten._unsafe_view.default)
+
+
+def _repeated_heads(arg: Any) -> tuple[fx.Node, bool, int] | None:
+    """(source, transposed, repeats) where `arg`, a key or value of attention laid out
+    [b, heads, s, d], copies each head of `source` `repeats` times in a row (`repeat_kv`:
+    unsqueeze, expand, reshape; on [b, kv_heads, s, d], or on [b, s, kv_heads, d] and then
+    transposed), each step read by nothing else; None where it is not such a copy."""
+    if not _tensor(arg):
+        return None
+    n, transposed = arg, False
+    if n.target is _aten.transpose.int and sorted(n.args[1:]) == [1, 2]:
+        n, transposed = n.args[0], True
+    if n.target not in _VIEWS or len(n.users) != 1:
+        return None
+    e = n.args[0]
+    if not _tensor(e) or e.target is not _aten.expand.default or len(e.users) != 1:
+        return None
+    u = e.args[0]
+    heads = 2 if transposed else 1  # the heads dim of the source's layout
+    if (not _tensor(u) or u.target is not _aten.unsqueeze.default or len(u.users) != 1
+            or u.args[1] != heads + 1 or not _tensor(u.args[0])):
+        return None
+    src = u.args[0]
+    shape, big, out = (tuple(x.meta["val"].shape) for x in (src, e, n))
+    rep = big[heads + 1] if len(big) == 5 else 0
+    if (len(shape) != 4 or big[:heads + 1] != shape[:heads + 1]
+            or big[heads + 2:] != shape[heads + 1:]
+            or out != shape[:heads] + (shape[heads] * rep,) + shape[heads + 1:]):
+        return None
+    return src, transposed, rep
+
+
+def _attend_grouped(gm: fx.GraphModule, n: fx.Node) -> bool:
+    """Attention reading copies of its keys' and values' heads (`_repeated_heads`) reads the
+    grouped heads themselves (`enable_gqa`, the same values): the copies are neither made nor
+    kept for the backward."""
+    if len(n.args) < 3:
+        return False
+    k, v = (_repeated_heads(a) for a in n.args[1:3])
+    if k is None or v is None or k[1:] != v[1:]:
+        return False
+    old = n.args[1:3]
+    args = list(n.args)
+    for i, (src, transposed, _) in ((1, k), (2, v)):
+        if transposed:
+            with gm.graph.inserting_before(n):
+                t = gm.graph.call_function(_aten.transpose.int, (src, 1, 2))
+            t.meta["val"] = src.meta["val"].transpose(1, 2)
+            src = t
+        args[i] = src
+    n.args, n.kwargs = tuple(args), {**n.kwargs, "enable_gqa": True}
+    for a in old:  # the copies, now unread
+        chain = [a]
+        while chain[-1].target is not _aten.unsqueeze.default:
+            chain.append(chain[-1].args[0])
+        for x in chain:
+            gm.graph.erase_node(x)
+    return True
+
+
 def fuse_elementwise(gm: fx.GraphModule, device: torch.device | None = None) -> int:
     """Rewrite `gm` in place (see the module docstring); returns how many ops were fused.
     On a CPU or meta `device` attention also keeps its output in CUDA's layout
@@ -155,9 +218,11 @@ def fuse_elementwise(gm: fx.GraphModule, device: torch.device | None = None) -> 
     for n in list(gm.graph.nodes):
         if n.op != "call_function":
             continue
-        if flash and n.target is _aten.scaled_dot_product_attention.default:
-            n.target = attention
-            fused += 1
+        if n.target is _aten.scaled_dot_product_attention.default:
+            fused += _attend_grouped(gm, n)
+            if flash:
+                n.target = attention
+                fused += 1
         elif n.target is _aten.rms_norm.default and _tensor(n.args[0]) and not n.kwargs:
             x, shape, *rest = n.args
             n.target, n.args = rms_norm, (x, shape, *rest)

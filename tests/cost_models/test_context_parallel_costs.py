@@ -37,10 +37,8 @@ def test_a_rank_computes_its_share_and_attends_over_every_key():
     assert part.forward_flops[layer] * 4 == whole.forward_flops[layer]
     attention = [g for g in part.ops[layer] if g.attention]
     assert [(g.flops, g.work) for g in attention] == [(4 * 4 * 64 * 256 * 8, CAUSAL_WORK)]
-    # a quarter, but for the CP attention's output: kept as [b, h, s, d], the output
-    # projection copies it, where the whole sequence's flash output is read in place
-    # (`runtime.execute.fused.attention`)
-    assert part.activation_bytes[layer] * 4 <= whole.activation_bytes[layer] * 1.10
+    # a quarter (attention's output laid out as flash lays it out either way)
+    assert part.activation_bytes[layer] * 4 <= whole.activation_bytes[layer] * 1.05
     traffic = in_graph_comm(cap)
     kv = 2 * (1 * 2 * 64 * 8) * 4  # k and v: 2 heads x 64 tokens x 8, fp32
     assert traffic.context_kv[layer] == (kv,) and traffic.context_acc[layer] == (kv,)

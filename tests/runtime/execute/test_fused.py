@@ -118,3 +118,53 @@ def test_attention_keeps_its_output_in_the_projection_layout(bf16: bool, mask: s
     assert flat1.untyped_storage().data_ptr() == y1.untyped_storage().data_ptr()
     for a, b in zip(runs[0][2:], runs[1][2:], strict=True):
         torch.testing.assert_close(b, a, rtol=0, atol=0)
+
+
+class _RepeatKV(torch.nn.Module):
+    """Attention over key/value heads copied to the query heads first (`repeat_kv`), laid out
+    as Hugging Face copies them ([b, kv_heads, s, d]) or as torchtitan does ([b, s, kv_heads,
+    d], transposed after)."""
+
+    def __init__(self, layout: str) -> None:
+        super().__init__()
+        self.layout = layout
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        b, s, kv, d = k.shape
+        rep = q.shape[2] // kv
+        if self.layout == "hf":
+            k, v = (x.transpose(1, 2)[:, :, None].expand(b, kv, rep, s, d)
+                    .reshape(b, kv * rep, s, d) for x in (k, v))
+        else:
+            k, v = (x[:, :, :, None].expand(b, s, kv, rep, d).reshape(b, s, kv * rep, d)
+                    .transpose(1, 2) for x in (k, v))
+        return F.scaled_dot_product_attention(q.transpose(1, 2), k, v, is_causal=True)
+
+
+@pytest.mark.parametrize("layout", ["hf", "torchtitan"])
+def test_attention_reads_grouped_heads_instead_of_their_copies(layout: str) -> None:
+    """Keys and values copied head by head for attention are read as grouped heads: the same
+    values and gradients, and the copies are neither made nor kept (4 of each head here)."""
+    torch.manual_seed(0)
+    q0, k0, v0 = torch.randn(2, 16, 8, 4), torch.randn(2, 16, 2, 4), torch.randn(2, 16, 2, 4)
+    plain = torch.export.export(_RepeatKV(layout), (q0, k0, v0)).module()
+    fused = torch.export.export(_RepeatKV(layout), (q0, k0, v0)).module()
+    assert fuse_elementwise(fused, torch.device("cpu")) == 2, "grouped, then CPU flash"
+    assert not any(n.target is torch.ops.aten.expand.default for n in fused.graph.nodes)
+    runs = []
+    for gm in (plain, fused):
+        packed: dict[int, int] = {}
+
+        def pack(t: torch.Tensor, packed: dict[int, int] = packed) -> torch.Tensor:
+            packed[t.untyped_storage()._cdata] = t.untyped_storage().nbytes()
+            return t
+
+        q, k, v = (t.clone().requires_grad_(True) for t in (q0, k0, v0))
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            y = gm(q, k, v)
+        y.pow(2).sum().backward()
+        runs.append((y, q.grad, k.grad, v.grad, sum(packed.values())))
+    for a, b in zip(runs[0][:4], runs[1][:4], strict=True):
+        torch.testing.assert_close(b, a, rtol=0, atol=0)
+    copies = 2 * k0.numel() * 4 * 4  # keys and values, 4 heads per head, fp32
+    assert runs[0][4] - runs[1][4] >= copies - 2 * k0.numel() * 4

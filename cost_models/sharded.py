@@ -12,12 +12,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+import torch.utils._pytree as pytree
+
 from cost_models import comm
 from cost_models.analytical import ATTENTION_BACKWARD_RATIO, CAUSAL_WORK, ModelCosts
 from cost_models.cluster import ClusterSpec
 from cost_models.piper_ops import context_attention_flops
 from cost_models.task_costs import TaskCosts
 from piper.capture import Captured
+from piper.loss_parallel import VocabParallelLoss
 from piper.moe import routed_shapes
 from runtime.execute.regather import is_sequence_gather, regathering_users
 from runtime.lowering.plan import Plan
@@ -118,6 +121,12 @@ def in_graph_comm(captured: Captured) -> InGraphComm:
         into[name][region].append(nbytes)
         if is_sequence_gather(node) and regathering_users(node):  # one for its linears
             regathers[region].append(nbytes)
+    if isinstance(captured.loss, VocabParallelLoss):  # the row max, sum of exponentials and
+        # the target's logit, one fp32 number per token each, all-reduced after the output
+        out = next(x for x in captured.program.graph.nodes if x.op == "output")
+        leaf = pytree.tree_leaves(out.args[0])[captured.loss.ce.logits]
+        val = leaf.meta["val"]
+        fwd[captured.node_region[leaf.name]] += [4 * (val.numel() // val.shape[-1])] * 3
     # sequence parallelism: a gather forward is a reduce-scatter backward and vice versa
     return InGraphComm(*(tuple(tuple(r) for r in lists)
                          for lists in (fwd, bwd, a2a, gather, scatter, sp_gathers, regathers,

@@ -35,6 +35,7 @@ from piper.capture_errors import export_failure, failing_module, user_frame
 from piper.context_parallel import sequence_of
 from piper.errors import PiperError
 from piper.graph_passes import drop_metadata_asserts, outputs_through_last, to_meta
+from piper.loss_parallel import parallelize_loss
 from piper.model_file import ModelSpec
 from piper.moe import eager_experts, expert_cuts, expert_modules
 from piper.regions import AutoRegions, annotate_automatically
@@ -179,10 +180,11 @@ def capture(spec: ModelSpec, batch: int, sharding: ModelSharding | None = None, 
         local = sequence_of(ep.example_inputs)
         split_sequence(ep.graph_module, local, sharding.cp, sharding.cp_mode, exact=exact,
                        where=f"{spec.path}: ")
+    loss = parallelize_loss(ep, spec.loss_fn, targets)  # tensor-parallel logits: kept sliced
     cap = _regions(ep, spec.path, batch)
     return replace(cap, graph=replace(cap.graph, **_modules(model, cap.graph),
                                       tp_plan=spec.tp_plan),
-                   loss=spec.loss_fn, targets=targets,
+                   loss=loss or spec.loss_fn, targets=targets,
                    auto=auto or getattr(model, "_piper_regions", None))
 
 

@@ -15,6 +15,7 @@ A model file may define `TP_PLAN = {"blocks.*.fc": "colwise", "blocks.*.out": "r
     colwise_rep  colwise, then the output gathered whole on every rank (Hugging Face's
                  name; TorchTitan's ColwiseParallel(output_layouts=Replicate())): a
                  vocabulary-parallel output layer before a loss that reads every logit
+                 (a plain cross-entropy reads the slices instead: `piper.loss_parallel`)
     vocab        an nn.Embedding's rows (the vocabulary) split; each rank looks up the
                  tokens in its range, zeros for the rest, and the partial embeddings leave
                  through g (Megatron's VocabParallelEmbedding)

@@ -97,7 +97,7 @@ class ChunkMath:
             pred = sm.model_output(outs)
             tgt = slice_tree(self.targets, lo, hi)
             with counting(), self.autocast():  # the loss keeps a log-softmax
-                saved.loss = self.spec.loss_fn(pred, tgt) * self.loss_scale
+                saved.loss = self.loss_fn(pred, tgt) * self.loss_scale
         if kept is not None:
             counted = self.activation_bytes[task.stage] = kept.bytes_with(
                 [*outs.values(), *(x for _, x in leaves)])

@@ -68,6 +68,9 @@ class RankExecutor(ChunkMath, Checkpointing):
         self.device = device
         self.groups = groups
         self.spec = spec
+        # the capture's loss: the model file's, or its cross-entropy on this rank's slice of
+        # vocabulary-parallel logits (`piper.loss_parallel`)
+        self.loss_fn = captured.loss or spec.loss_fn
         sh = plan.sharding
         rename = align(captured.graph, plan.model, rank, (sh.tp if sh.sp else 1) * sh.cp)
         # what crosses stages, as this rank holds it (1/tp of the sequence with sp)

@@ -6,6 +6,8 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+import torch
+import torch.nn.functional as F
 
 import piper
 from cost_models import comm, load_cluster
@@ -36,16 +38,29 @@ def test_megatron_layers_have_one_g_and_one_f_per_column_row_pair() -> None:
     assert all(traffic.forward_all_reduce[r] == (act, act) for r in layers)
     assert all(traffic.backward_all_reduce[r] == (act, act) for r in layers)
     # the vocabulary-parallel embedding leaves through one g; the output layer enters
-    # through f and gathers its logits (seq 16 x vocab 128 fp32)
+    # through f, and its logits stay sliced for the vocabulary-parallel cross-entropy
     embed, head = cap.graph.names.index("embed"), cap.graph.names.index("head")
     assert traffic.forward_all_reduce[embed] == (act,)
     assert traffic.backward_all_reduce[head] == (act,)
+    assert sum(map(len, traffic.forward_all_gather)) == 0
+    # a loss that is not plain cross-entropy reads every logit: gathered (seq 16 x vocab
+    # 128 fp32)
+    cap = piper.capture(dataclasses.replace(spec, loss_fn=_z_loss), 1,
+                        ModelSharding(tp=2, tp_plan=spec.tp_plan))
+    traffic = in_graph_comm(cap)
     assert traffic.forward_all_gather[head] == (16 * 128 * 4,)
     assert sum(map(len, traffic.forward_all_gather)) == 1
 
 
+def _z_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy plus PaLM's z-loss: reads every logit's log-partition."""
+    flat = logits.reshape(-1, logits.shape[-1])
+    return (F.cross_entropy(flat, targets.reshape(-1))
+            + 1e-4 * flat.logsumexp(-1).pow(2).mean())
+
+
 def test_the_gathered_logits_are_priced_as_an_all_gather() -> None:
-    spec = load_model_file(GPT, TINY)
+    spec = dataclasses.replace(load_model_file(GPT, TINY), loss_fn=_z_loss)
     cluster = load_cluster("h100-80gb")
     sharding = ModelSharding(tp=2, tp_plan=spec.tp_plan)
     cap = piper.capture(spec, 1, sharding)

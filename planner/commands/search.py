@@ -162,7 +162,11 @@ def search(args: argparse.Namespace) -> int:
         for note in done.notes:
             log(f"{target}: {note}")
     left = unused(b.summary)
-    fit = context_fit(result, _least_without_cp(space, ev) if b.summary.get("cp", 1) > 1
+    # the bound of every point without CP only where no trial without it fit (else there
+    # is nothing to say, and a large space takes minutes)
+    fit = context_fit(result, _least_without_cp(space, ev, cluster.memory_bytes)
+                      if b.summary.get("cp", 1) > 1 and not any(
+                          r.feasible and r.summary.get("cp", 1) == 1 for r in result.records)
                       else None, cluster.memory_bytes)
     if fit:
         log(f"note: {fit}")
@@ -213,12 +217,20 @@ def search(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _least_without_cp(space: Any, ev: Any) -> int | None:
+def _least_without_cp(space: Any, ev: Any, limit: int) -> int | None:
     """The fewest bytes per device any strategy of `space` without context parallelism
-    needs, by the memory bound (milliseconds a point); None: the space has none."""
-    points = [p for p in space.points() if p.get("cp", 1) == 1]
-    return min((ev.peak_memory_bound(space.program(**v)) for p in points
-                for v in space.variants(p)), default=None)
+    needs, by the memory bound (milliseconds a point), or the first found within `limit`
+    (one that fits is all `context_fit` needs to know); None: the space has none."""
+    least = None
+    for p in space.points():
+        if p.get("cp", 1) != 1:
+            continue
+        for v in space.variants(p):
+            need = ev.peak_memory_bound(space.program(**v))
+            least = need if least is None else min(least, need)
+            if least <= limit:
+                return least
+    return least
 
 
 def _recipe_if_faster(target: str, found: Any, result: Any) -> Any:

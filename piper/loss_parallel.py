@@ -163,7 +163,8 @@ class _VocabParallelCE(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         softmax, index, hit, valid, count = ctx.saved_tensors
-        grad = softmax.scatter_add(1, index[:, None], -hit.to(softmax.dtype)[:, None])
+        # in place, as Megatron's: the softmax is read once (no second [tokens, vocab] buffer)
+        grad = softmax.scatter_add_(1, index[:, None], -hit.to(softmax.dtype)[:, None])
         scale = g / count if ctx.mean else g
         grad.mul_(valid.to(grad.dtype)[:, None] * scale)
         return grad, None, None, None, None

@@ -19,8 +19,9 @@ state, and differentiates them. On CPU (and meta) `scaled_dot_product_attention`
 kernels give it, so the output projection reads it without a copy (Korthikanti et al. count
 that one tensor). Attention whose keys and values are copies of grouped heads made for it
 (`repeat_kv`, as Hugging Face's and torchtitan's Llama write it) reads the grouped heads
-(`enable_gqa`): the copies are not made, nor kept for the backward. The memory model builds its stage modules the same way on meta
-(`cost_models.saved`), so it counts what the runtime keeps.
+(`enable_gqa`): the copies are not made, nor kept for the backward. The memory model builds
+its stage modules the same way on meta (`cost_models.saved`), so it counts what the runtime
+keeps.
 """
 
 from __future__ import annotations

@@ -134,7 +134,7 @@ def matmul_curve(device: str, dtype: torch.dtype, quick: bool) -> dict:
 def attention_rate(device: str, dtype: torch.dtype, quick: bool) -> float:
     """FLOP/s a causal fused attention (SDPA) runs forward + backward, counted as the cost
     model times it: half the s x s blocks, a backward of 2.5 forwards."""
-    from cost_models.analytical import ATTENTION_BACKWARD_RATIO, CAUSAL_WORK
+    from cost_models.attention import ATTENTION_BACKWARD_RATIO, CAUSAL_WORK
     b, h, s, d = (1, 2, 128, 32) if quick else (4, 16, 4096, 128)
     q, k, v = (torch.randn(b, h, s, d, device=torch.device(device), dtype=dtype,
                            requires_grad=True) for _ in range(3))
@@ -294,6 +294,7 @@ def main() -> int:
     measured = dict(elementwise_bandwidth=mem["copy_bandwidth"],  # noqa: C408
                     op_overhead_s=mem["op_s"], backward_op_overhead_s=mem["backward_op_s"],
                     sms=0, kernel_overhead_s=0.0, host_dispatch_s=0.0, sustained_clock=1.0,
+                    attention_curve=(),
                     source=f"benchmarks/gpu_check.py on {report['paths'].get('name', args.device)}"
                            ": measured compute, copy bandwidth and op overheads; links "
                            f"from the catalog's {base.name}")

@@ -20,6 +20,7 @@ from torch.export.graph_signature import InputKind
 from torch.utils import _pytree as pytree
 from torch.utils.flop_counter import FlopCounterMode
 
+from cost_models.attention import CAUSAL_WORK, attention_extent, attention_seconds
 from cost_models.cluster import ClusterSpec
 from cost_models.kernels import Gemm, gemm_seconds
 from cost_models.loss_ops import loss_kernels
@@ -31,10 +32,6 @@ from piper.moe import routed_shapes
 
 BACKWARD_FLOPS_RATIO = 2.0
 """Backward = grad wrt inputs + grad wrt weights, each about one forward's matmuls."""
-
-ATTENTION_BACKWARD_RATIO = 2.5
-"""A fused attention's backward recomputes the scores and probabilities it did not keep:
-five matmuls (S = QK^T again, dV, dP, dQ, dK) against the forward's two (S, PV)."""
 
 UPDATE_BYTES_PER_PARAM = 28
 """fp32 AdamW streams param, grad, m, v in (16 B) and param, m, v out (12 B): memory-bound."""
@@ -63,10 +60,11 @@ class OpGroup:
     attention: bool = False
     """A fused attention kernel (any of ATen's scaled-dot-product ops): its backward
     recomputes what the forward did not keep (`ATTENTION_BACKWARD_RATIO`)."""
-    shape: tuple[int, int, int, int] = ()
+    shape: tuple[int, ...] = ()
     """A GEMM's (batch, m, n, k) at the capture batch (`cost_models.kernels.Gemm`): its
-    tiles fill the SMs in waves, and its backward's two GEMMs have shapes of their own.
-    Empty: timed by FLOPs alone."""
+    tiles fill the SMs in waves, and its backward's two GEMMs have shapes of their own. A
+    fused attention's (keys per kernel, ring steps) (`cost_models.attention`): its kernel's
+    rate depends on them. Empty: timed by FLOPs alone."""
     fp32: bool = False
     """Runs in fp32 whatever the training precision: autocast computes a loss (softmax,
     cross-entropy) in fp32 (`cost_models.loss_ops`), so bf16 training does not halve its
@@ -230,11 +228,16 @@ def _ops_seconds(groups: Sequence[OpGroup], scale: float, cluster: ClusterSpec
             fwd, back = _gemm_seconds(g, scale, cluster)
             mm += g.count * fwd
             mm_back += g.count * back
+        elif g.attention:
+            fwd, back = attention_seconds(cluster, g.flops * scale, g.work, g.shape,
+                                          g.nbytes * scale, g.low_precision)
+            mm += g.count * fwd
+            mm_back += g.count * back
         elif g.flops:
             t = g.count * cluster.matmul_seconds(g.flops * g.work * scale, g.nbytes * scale,
-                                                 g.low_precision, g.attention)
+                                                 g.low_precision)
             mm += t
-            mm_back += t * (ATTENTION_BACKWARD_RATIO if g.attention else BACKWARD_FLOPS_RATIO)
+            mm_back += t * BACKWARD_FLOPS_RATIO
         else:
             other += g.count
             moved += g.count * g.nbytes * scale
@@ -354,7 +357,7 @@ class _RegionCounter(fx.Interpreter):
         if getattr(n.target, "_piper_cp", False):  # context-parallel attention
             flops = context_attention_flops(n)
             key = (flops, _low_precision(out), CAUSAL_WORK if n.args[4] else 1.0, 0, True,
-                   (), False)
+                   attention_extent(n), False)
             self.ops[r][key] = self.ops[r].get(key, 0) + 1
             self.node_keys[n.name] = key
         self.flops[r] += flops
@@ -362,7 +365,7 @@ class _RegionCounter(fx.Interpreter):
             attention = bool(flops) and _fused_attention(n)
             key = (flops, _low_precision(out), CAUSAL_WORK if _causal_attention(n) else 1.0,
                    _moved_bytes(n, args, out), attention,
-                   () if attention else _gemm_shape(flops, args, out), False)
+                   attention_extent(n) if attention else _gemm_shape(flops, args, out), False)
             self.ops[r][key] = self.ops[r].get(key, 0) + 1
             self.node_keys[n.name] = key
         if not _aliases(n):
@@ -385,11 +388,6 @@ def _gemm_shape(flops: int, args: list[object], out: object) -> tuple[int, ...]:
     if len(ranks) >= 2 and min(ranks[:2]) >= 3 and out.dim() >= 3:
         return (out.numel() // (out.shape[-2] * n), out.shape[-2], n, k)
     return (1, out.numel() // n, n, k)
-
-
-CAUSAL_WORK = 0.5
-"""Share of a causal attention's counted FLOPs its fused kernel runs: the blocks above the
-diagonal are skipped, (s + 1) / 2s of the s x s scores, about half at training lengths."""
 
 
 def _fused_attention(n: fx.Node) -> bool:

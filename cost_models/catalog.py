@@ -28,11 +28,16 @@ H100_MAMF = 794.5e12 / 989e12
 A100_FLASH = 0.5
 """FlashAttention-2 (Dao 2023, arXiv 2307.08691) reaches 50-73% of the A100's peak; its
 backward, 2.5 of the 3.5 forward-equivalents a training step runs, sits at the low end."""
-H100_FLASH = 0.35
-"""FlashAttention-3 (Shah et al. 2024, arXiv 2407.08608): FlashAttention-2, the kernel
-PyTorch's SDPA flash backend runs (and torchtitan and llm-foundry with it), reaches 35% of
-the H100's peak (FlashAttention-3 itself 75% forward, in FP16)."""
-_FLASH = "attention_efficiency: FlashAttention-2 as measured by its papers"
+_FA2_H100 = ((512, 309, 191, 214), (1024, 350, 260, 260), (2048, 362, 298, 291),
+             (4096, 368, 319, 310), (8192, 370, 333, 318), (16384, 370, 335, 322))
+H100_FLASH_CURVE = tuple((keys, *(tf / 989 for tf in rates)) for keys, *rates in _FA2_H100)
+"""FlashAttention-2, the kernel PyTorch's SDPA flash backend runs (and torchtitan and
+llm-foundry with it), on an H100 SXM5 at head dim 128, as the FlashAttention-3 paper
+measured it (Shah et al. 2024, arXiv 2407.08608, figures 5 and 6; batch x length = 16K
+tokens): forward 309 to 370 TFLOP/s from 512 to 16K keys, causal forward 191 to 335,
+backward 214 to 322 (FlashAttention-3 itself reaches 75% of the peak forward, in FP16)."""
+_FLASH = ("attention_efficiency: FlashAttention-2 as measured by its papers (on H100 by key "
+          "length and mask, the FlashAttention-3 paper's figures 5-6)")
 
 MB = 2**20
 A100_NVLINK_BUSBW = ((32 * 1024, 1.75 * 32 * 1024 / 43.8e-6), (1 * MB, 18.0e9),
@@ -71,8 +76,8 @@ dispatcher, the backend and cudaLaunchKernel at about 1-5 us each, "~5-25 us of 
 work per op" (a secondary source, jiahuanglin.xyz "From PyTorch op to kernel launch";
 ../shared/published/kernels_and_collectives.md quotes the same range): the middle of it."""
 FITTED: dict[str, dict[str, float]] = {
-    "a100": {"sustained_clock": 0.802},
-    "h100": {"sustained_clock": 0.764},
+    "a100": {"sustained_clock": 0.797},
+    "h100": {"sustained_clock": 0.777},
 }
 """The coefficient no source publishes, fitted per GPU generation by least squares on the
 exact published runs of `benchmarks/published_runs.py` (`benchmarks/calibrate_gpus.py`
@@ -97,7 +102,7 @@ _A100_GEN = _generation(
     intra_node_ring_busbw=A100_RING_BUSBW, comm_compute_contention=NVLINK_CONTENTION,
     inter_node_contention=IB_CONTENTION, flops=19.5e12, bf16_flops=312e12)
 _H100_GEN = _generation(
-    "h100", sms=132, compute_efficiency=H100_MAMF, attention_efficiency=H100_FLASH,
+    "h100", sms=132, compute_efficiency=H100_MAMF, attention_curve=H100_FLASH_CURVE,
     intra_node_bandwidth=450e9, intra_node_latency=5e-6, inter_node_bandwidth=NDR_PER_GPU,
     inter_node_latency=1e-5, intra_node_busbw=H100_NVLINK_BUSBW,
     intra_node_ring_busbw=H100_RING_BUSBW, comm_compute_contention=NVLINK_CONTENTION,
@@ -110,7 +115,7 @@ _H100 = ClusterSpec(
         source=f"{_NVIDIA} H100 SXM (FP32 67 TF; TF32 dense 495 TF; BF16 dense 989 TF; "
                "HBM3 3.35 TB/s; NVLink4 900 GB/s bidirectional; 132 SMs); DGX H100 "
                f"datasheet: one 400 Gb/s NDR HCA per GPU; {_MAMF}: H100 SXM 794.5 TF; "
-               f"{_FLASH} (35% on H100, FlashAttention-3 paper); {_LINKS}; {FITTED_ON}; "
+               f"{_FLASH} (31-37% of the peak on H100, FlashAttention-3 paper); {_LINKS}; {FITTED_ON}; "
                + _ASSUMED)
 
 

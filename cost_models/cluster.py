@@ -73,10 +73,12 @@ def _from_dict(data: dict, path: Path) -> ClusterSpec:
     for f in COLLECTIVE_FIELDS:
         if f in data:
             data[f] = _alpha_beta(data[f], f, path)
-    if isinstance(data.get("intra_node_busbw"), list):  # [[bytes, bytes/s], ...]
-        data["intra_node_busbw"] = tuple(
-            tuple(float(x) if is_number(x) else x for x in p) if isinstance(p, list) else p
-            for p in data["intra_node_busbw"])
+    # [[bytes, bytes/s], ...] and [[keys, forward, causal forward, backward], ...]
+    for f in ("intra_node_busbw", "attention_curve"):
+        if isinstance(data.get(f), list):
+            data[f] = tuple(
+                tuple(float(x) if is_number(x) else x for x in p) if isinstance(p, list) else p
+                for p in data[f])
     try:
         return ClusterSpec(**data)
     except PiperError as e:

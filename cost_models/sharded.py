@@ -15,7 +15,8 @@ from dataclasses import dataclass, replace
 import torch.utils._pytree as pytree
 
 from cost_models import comm
-from cost_models.analytical import ATTENTION_BACKWARD_RATIO, CAUSAL_WORK, ModelCosts
+from cost_models.analytical import ModelCosts
+from cost_models.attention import ATTENTION_BACKWARD_RATIO, CAUSAL_WORK
 from cost_models.cluster import ClusterSpec
 from cost_models.piper_ops import context_attention_flops
 from cost_models.task_costs import TaskCosts
@@ -56,6 +57,9 @@ class InGraphComm:
     context_flops: tuple[tuple[float, ...], ...] = ()
     """The same attentions' forward FLOPs, times the causal work share: the compute a
     ring hop hides behind."""
+    context_keys: tuple[tuple[int, ...], ...] = ()
+    """The same attentions' keys per ring step (the rank's own tokens): the length its
+    kernels run at (`ClusterSpec.attention_curve`)."""
     low_precision: bool = False  # attention runs in 16-bit (bf16 training)
 
     def in_precision(self, costs: ModelCosts) -> InGraphComm:
@@ -72,7 +76,7 @@ class InGraphComm:
                            scaled(self.sequence_scatter), scaled(self.sequence_gather),
                            scaled(self.sequence_regather), scaled(self.sequence_split),
                            scaled(self.context_kv), self.context_acc, self.context_flops,
-                           True)
+                           self.context_keys, True)
 
 
 def in_graph_comm(captured: Captured) -> InGraphComm:
@@ -92,6 +96,7 @@ def in_graph_comm(captured: Captured) -> InGraphComm:
             "sp_split": splits, "tp_split": splits}
     kv: list[list[int]] = [[] for _ in range(n)]
     acc: list[list[int]] = [[] for _ in range(n)]
+    keys: list[list[int]] = [[] for _ in range(n)]
     flops: list[list[float]] = [[] for _ in range(n)]
     for node in captured.program.graph.nodes:
         routed = routed_shapes(node) if node.op == "call_function" else None
@@ -109,6 +114,7 @@ def in_graph_comm(captured: Captured) -> InGraphComm:
             acc[region].append(4 * (k.numel() + v.numel()))
             flops[region].append(context_attention_flops(node)
                                  * (CAUSAL_WORK if node.args[4] else 1.0))
+            keys[region].append(int(k.shape[-2]))
             continue
         op = getattr(node.target, "_schema", None)
         if node.op != "call_function" or op is None or not op.name.startswith("piper::"):
@@ -130,7 +136,7 @@ def in_graph_comm(captured: Captured) -> InGraphComm:
     # sequence parallelism: a gather forward is a reduce-scatter backward and vice versa
     return InGraphComm(*(tuple(tuple(r) for r in lists)
                          for lists in (fwd, bwd, a2a, gather, scatter, sp_gathers, regathers,
-                                       splits, kv, acc, flops)))
+                                       splits, kv, acc, flops, keys)))
 
 
 def context_seconds(traffic: InGraphComm, regions: list[int], plan: Plan,
@@ -149,15 +155,18 @@ def context_seconds(traffic: InGraphComm, regions: list[int], plan: Plan,
     group = plan.mesh.cp_group(0)
     fwd = bwd = 0.0
     for r in regions:
-        for kv, acc, flops in zip(traffic.context_kv[r], traffic.context_acc[r],
-                                  traffic.context_flops[r], strict=True):
+        for kv, acc, flops, keys in zip(traffic.context_kv[r], traffic.context_acc[r],
+                                        traffic.context_flops[r], traffic.context_keys[r],
+                                        strict=True):
             kv, acc = kv * scale, acc * scale
             if plan.sharding.cp_mode == "all_gather":
                 fwd += comm.collective_time(comm.ALL_GATHER, kv * cp, group, cluster)
                 bwd += comm.collective_time(comm.REDUCE_SCATTER, acc * cp, group, cluster)
                 continue
-            block = cluster.matmul_seconds(flops * scale, 0, traffic.low_precision, True) / cp
-            back = block * ATTENTION_BACKWARD_RATIO
+            # a step's kernel: an unmasked block over the rank's keys (`cost_models.attention`)
+            block, back = (cluster.attention_seconds(
+                ratio * flops * scale, 0, keys, False, backward, traffic.low_precision) / cp
+                for backward, ratio in ((False, 1.0), (True, ATTENTION_BACKWARD_RATIO)))
             hop = max(comm.p2p_message_time(cluster, a, b, kv)
                       for a, b in zip(group, group[1:] + group[:1]))
             home = max(comm.p2p_message_time(cluster, a, b, acc)

@@ -67,7 +67,18 @@ class ClusterSpec:
     attention_efficiency: float | None = None
     """Fraction of the peak a fused attention kernel (flash attention, SDPA) reaches on its
     executed FLOPs, forward and backward: its softmax and online rescaling sit between two
-    matmuls, so it stays well below a plain matmul's. None: `compute_efficiency`."""
+    matmuls, so it stays well below a plain matmul's. None: `compute_efficiency`. A
+    measured `attention_curve` takes its place."""
+    attention_curve: tuple[tuple[float, float, float, float], ...] = ()
+    """A fused attention kernel's measured rate by key length: (keys, forward, causal
+    forward, backward) points, each a fraction of the 16-bit peak on the FLOPs the kernel
+    runs (a causal one skips the blocks above the diagonal), interpolated linearly in
+    log(keys) and held flat past the ends. Each query tile loads its queries, rescales and
+    writes its output once whatever the keys, and a causal mask's diagonal blocks cost a
+    whole block for half its work: both weigh most when the keys are few. A causal
+    backward runs at the backward rate times the causal forward's share of the plain one
+    at that length (no causal backward curve is published). Empty: `attention_efficiency`
+    at every length."""
     matmul_half_flops: float = 0.0
     """FLOPs of one matmul at which it reaches half of `compute_efficiency`: small matmuls
     do not fill the device. 0: efficiency does not depend on size."""
@@ -168,6 +179,7 @@ class ClusterSpec:
         if not is_number(s) or not 0 < s <= 1:
             problems.append(f"sustained_clock must be in (0, 1], got {s!r}")
         problems += _curve_problems(self.intra_node_busbw)
+        problems += _attention_curve_problems(self.attention_curve)
         r = self.intra_node_ring_busbw
         if r is not None and (not is_number(r) or not r > 0):
             problems.append(f"intra_node_ring_busbw must be a number > 0, got {r!r}")
@@ -203,12 +215,11 @@ class ClusterSpec:
             return rate
         return rate * flops / (flops + self.matmul_half_flops)
 
-    def matmul_seconds(self, flops: float, nbytes: float, low_precision: bool = False,
-                       attention: bool = False) -> float:
+    def matmul_seconds(self, flops: float, nbytes: float, low_precision: bool = False
+                       ) -> float:
         """Seconds of one matmul of `flops` whose operands and result are `nbytes`.
 
-        Its math alone takes t_c = flops / `matmul_rate` (a fused attention: at
-        `attention_efficiency` of the peak); streaming its operands alone
+        Its math alone takes t_c = flops / `matmul_rate`; streaming its operands alone
         t_m = nbytes / `elementwise_bandwidth` (no memory term where that is None, as on
         profiled CPU specs, whose fitted rate covers it). A kernel that does both at once
         reaches neither bound near the ridge point, so the two combine as
@@ -218,13 +229,42 @@ class ClusterSpec:
         t_c + t_m up to 30% slow. A thin matmul (a small hidden size) is thereby slower per
         FLOP than a wide one, as measured.
         """
+        compute = flops / self.matmul_rate(flops, low_precision) if flops > 0 else 0.0
+        return self._with_bytes(compute, nbytes)
+
+    def attention_seconds(self, flops: float, nbytes: float, keys: float, causal: bool,
+                          backward: bool, low_precision: bool = False) -> float:
+        """Seconds of a fused attention kernel that runs `flops` (a causal one: the FLOPs
+        below the diagonal) over `keys` keys per query, moving `nbytes`: at the
+        `attention_curve` rate for its length and mask (forward or `backward`), or
+        `attention_efficiency` of the peak, or as any matmul where neither is known; its
+        bytes combine as `matmul_seconds` combines them."""
         if flops <= 0:
-            compute = 0.0
-        elif attention and self.attention_efficiency is not None:
-            compute = flops / (self.peak_flops(low_precision) * self.attention_efficiency
-                               * self.sustained_clock)
-        else:
-            compute = flops / self.matmul_rate(flops, low_precision)
+            return self._with_bytes(0.0, nbytes)
+        share = (self._attention_share(keys, causal, backward) if self.attention_curve
+                 else self.attention_efficiency)
+        if share is None:
+            return self.matmul_seconds(flops, nbytes, low_precision)
+        rate = self.peak_flops(low_precision) * share * self.sustained_clock
+        return self._with_bytes(flops / rate, nbytes)
+
+    def _attention_share(self, keys: float, causal: bool, backward: bool) -> float:
+        points = self.attention_curve
+
+        def at(p: tuple[float, float, float, float]) -> float:
+            share = p[3] if backward else p[1]
+            return share * p[2] / p[1] if causal else share
+
+        i = bisect.bisect_left([p[0] for p in points], keys)
+        if i == 0:
+            return at(points[0])
+        if i == len(points):
+            return at(points[-1])
+        lo, hi = points[i - 1], points[i]
+        w = math.log(keys / lo[0]) / math.log(hi[0] / lo[0])
+        return at(lo) + w * (at(hi) - at(lo))
+
+    def _with_bytes(self, compute: float, nbytes: float) -> float:
         bw = self.elementwise_bandwidth
         if not bw or nbytes <= 0:
             return compute
@@ -252,6 +292,16 @@ class ClusterSpec:
 
 def is_number(v: object) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and not math.isnan(v)
+
+
+def _attention_curve_problems(points: object) -> list[str]:
+    ok = isinstance(points, tuple) and all(
+        isinstance(p, tuple) and len(p) == 4 and all(is_number(x) for x in p)
+        and p[0] > 0 and all(0 < x <= 1 for x in p[1:]) for p in points)
+    if ok and all(a[0] < b[0] for a, b in itertools.pairwise(points)):
+        return []
+    return [("attention_curve must be (keys, forward, causal forward, backward) points, keys "
+             f"> 0 increasing, shares of the peak in (0, 1], got {points!r}")]
 
 
 def _curve_problems(points: object) -> list[str]:

@@ -11,13 +11,8 @@ import torch
 
 import piper
 from cost_models import CATALOG, ClusterSpec, ModelCosts, model_costs, task_costs
-from cost_models.analytical import (
-    ATTENTION_BACKWARD_RATIO,
-    BACKWARD_FLOPS_RATIO,
-    CAUSAL_WORK,
-    UPDATE_BYTES_PER_PARAM,
-    _causal_attention,
-)
+from cost_models.analytical import BACKWARD_FLOPS_RATIO, UPDATE_BYTES_PER_PARAM, _causal_attention
+from cost_models.attention import ATTENTION_BACKWARD_RATIO, CAUSAL_WORK
 from cost_models.comm import p2p_time, ring_all_reduce_time
 from piper.dag import Kind
 from piper.model_file import load_model_file
@@ -48,7 +43,7 @@ def test_a_causal_fused_attention_is_timed_at_half_its_counted_flops(costs: Mode
     assert [(g.flops, g.work) for g in attention] == [(2 * (2 * b * t * t * d), CAUSAL_WORK)]
     flat = dataclasses.replace(CATALOG["h100-80gb"], matmul_half_flops=0.0, op_overhead_s=0.0,
                                elementwise_bandwidth=None, attention_efficiency=None,
-                               host_dispatch_s=0.0)
+                               attention_curve=(), host_dispatch_s=0.0)
     whole = dataclasses.replace(costs, ops=tuple(
         tuple(dataclasses.replace(g, work=1.0) for g in groups) for groups in costs.ops))
     half, full = (c.chunk_seconds(["layer.1"], b, flat)[0] for c in (costs, whole))

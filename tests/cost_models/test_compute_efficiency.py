@@ -8,11 +8,8 @@ from collections.abc import Callable
 import pytest
 
 from cost_models import ClusterSpec, ModelCosts, task_costs
-from cost_models.analytical import (
-    ATTENTION_BACKWARD_RATIO,
-    BACKWARD_FLOPS_RATIO,
-    UPDATE_BYTES_PER_PARAM,
-)
+from cost_models.analytical import BACKWARD_FLOPS_RATIO, UPDATE_BYTES_PER_PARAM
+from cost_models.attention import ATTENTION_BACKWARD_RATIO
 from piper.dag import Kind
 from piper.errors import PiperError
 from runtime.lowering.plan import Plan
@@ -46,12 +43,13 @@ def test_a_fused_attention_runs_at_its_own_share_of_the_peak(
         ideal_cluster: Callable[..., ClusterSpec]) -> None:
     c = ideal_cluster(flops=1e12, bf16_flops=4e12, compute_efficiency=0.8,
                       attention_efficiency=0.4)
-    assert c.matmul_seconds(1e12, 0, attention=True) == pytest.approx(1 / 0.4)
-    assert c.matmul_seconds(4e12, 0, True, attention=True) == pytest.approx(1 / 0.4)
+    for keys, causal, backward in ((512, False, False), (1 << 20, True, True)):
+        assert c.attention_seconds(1e12, 0, keys, causal, backward) == pytest.approx(1 / 0.4)
+    assert c.attention_seconds(4e12, 0, 512, True, False, True) == pytest.approx(1 / 0.4)
     assert c.matmul_seconds(1e12, 0) == pytest.approx(1 / 0.8)
     # without a figure of its own, attention runs as any matmul
     plain = ideal_cluster(flops=1e12, compute_efficiency=0.8)
-    assert plain.matmul_seconds(1e12, 0, attention=True) == pytest.approx(1 / 0.8)
+    assert plain.attention_seconds(1e12, 0, 512, True, False) == pytest.approx(1 / 0.8)
     with pytest.raises(PiperError, match="attention_efficiency"):
         ideal_cluster(attention_efficiency=1.5)
 

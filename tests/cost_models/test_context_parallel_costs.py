@@ -6,9 +6,12 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
+
 import piper
 from cost_models import comm, load_cluster
-from cost_models.analytical import ATTENTION_BACKWARD_RATIO, CAUSAL_WORK, model_costs
+from cost_models.analytical import model_costs
+from cost_models.attention import ATTENTION_BACKWARD_RATIO, CAUSAL_WORK
 from cost_models.sharded import context_seconds, in_graph_comm
 from piper import schedules
 from piper.model_file import load_model_file
@@ -57,9 +60,13 @@ def test_ring_hops_show_past_the_blocks_math_and_all_gather_runs_in_line():
     # tiny blocks: nothing to hide behind, every hop shows (3 out, 3 + 3 back, 1 home)
     hop = comm.p2p_message_time(cluster, 0, 1, kv)
     f, b = context_seconds(traffic, layers[:1], ring, cluster, 1.0)
-    block = cluster.matmul_seconds(traffic.context_flops[layers[0]][0], 0, False, True) / 4
-    assert f == 3 * (hop - block)
-    assert b == 3 * (2 * hop - 2 * ATTENTION_BACKWARD_RATIO * block) + hop
+    # a step's kernel: an unmasked block over the rank's 64 keys, at that length's rate
+    assert traffic.context_keys[layers[0]] == (64,)
+    flops = traffic.context_flops[layers[0]][0]
+    block = cluster.attention_seconds(flops, 0, 64, False, False) / 4
+    back = cluster.attention_seconds(ATTENTION_BACKWARD_RATIO * flops, 0, 64, False, True) / 4
+    assert f == pytest.approx(3 * (hop - block))
+    assert b == pytest.approx(3 * (2 * hop - 2 * back) + hop)
     # a million times the tokens: the math hides the ring's hops, only the last one shows
     big = dataclasses.replace(traffic, context_flops=tuple(
         tuple(x * 1e12 for x in r) for r in traffic.context_flops))

@@ -176,8 +176,8 @@ def _grow(cap: Captured, repeats: Sequence[Repeat], sharded: bool) -> PlanningCa
     costs = model_costs(cap)
     for j in range(blocks.width):  # copy 1 must cost what copy 0 does (no index-dependence)
         i0, i1 = blocks.a + j, blocks.b + j
-        if (costs.forward_flops[i0], costs.activation_bytes[i0], costs.ops[i0:i0 + 1]) != (
-                costs.forward_flops[i1], costs.activation_bytes[i1], costs.ops[i1:i1 + 1]):
+        if (costs.forward_flops[i0], costs.activation_bytes[i0], _costly(costs.ops[i0])) != (
+                costs.forward_flops[i1], costs.activation_bytes[i1], _costly(costs.ops[i1])):
             return None
     grown = _grow_graph(cap.graph, blocks, copy_of)
     if grown is None:
@@ -222,8 +222,20 @@ def _blocks(mg: ModelGraph, repeats: Sequence[Repeat]) -> _Blocks | None:
     return _Blocks(a, b, c, lengths.pop(), tuple(repeats))
 
 
+def _costly(groups: Sequence[Any]) -> list[Any]:
+    """The op groups that take time on a GPU (math or bytes): an entry split is free."""
+    return [g for g in groups if g.flops or g.nbytes]
+
+
+ENTRY_SPLITS = ("piper::sp_split",)
+"""Ops a first layer alone may run on entry: sequence parallelism entered at the first layer
+(`sequence_split`, Hugging Face decoders) splits its input there, forward free and an
+all-gather backward, which copy 0 keeps as captured; the copies after it have none."""
+
+
 def _op_correspondence(cap: Captured, blocks: _Blocks) -> dict[str, str] | None:
-    """Node name in copy 0 -> the same op in copy 1, if both copies run the same ops."""
+    """Node name in copy 0 -> the same op in copy 1, if both copies run the same ops (copy 0
+    may begin with `ENTRY_SPLITS` of its own)."""
     ops: dict[int, list[Any]] = {}
     for n in cap.program.graph.nodes:
         if n.op == "call_function":
@@ -231,10 +243,18 @@ def _op_correspondence(cap: Captured, blocks: _Blocks) -> dict[str, str] | None:
     out: dict[str, str] = {}
     for j in range(blocks.width):
         o0, o1 = ops.get(blocks.a + j, []), ops.get(blocks.b + j, [])
+        extra = len(o0) - len(o1)
+        if extra > 0 and all(_op_name(x) in ENTRY_SPLITS for x in o0[:extra]):
+            o0 = o0[extra:]
         if len(o0) != len(o1) or any(x.target != y.target for x, y in zip(o0, o1)):
             return None
         out.update((x.name, y.name) for x, y in zip(o0, o1))
     return out
+
+
+def _op_name(n: Any) -> str:
+    schema = getattr(n.target, "_schema", None)
+    return schema.name if schema is not None else ""
 
 
 def _grow_graph(mg: ModelGraph, bl: _Blocks, copy_of: dict[str, str]

@@ -98,3 +98,17 @@ def test_only_a_chain_of_identical_layers_is_folded(case, tmp_path):
     got = planning_capture(spec, 1)
     assert bool(got.folded) == folds
     same(got, planning_capture(spec, 1, fold=False))
+
+
+def test_a_hugging_face_decoder_with_sequence_parallelism_is_folded(tmp_path):
+    """Sequence parallelism enters a Hugging Face decoder at its first layer (a split on
+    entry): copy 0 keeps the split as captured, the copies after it are plain."""
+    from piper.loading import load_model
+    from tests.hf_models import write_config
+
+    spec = load_model(str(write_config(tmp_path / "llama", "llama")), (), (("seq_len", 16),))
+    sharding = ModelSharding(tp=2, tp_plan=spec.tp_plan, sp=True)
+    assert any(style == "sequence_split" for _, style in sharding.tp_plan)
+    folded = planning_capture(spec, 1, sharding)
+    assert folded.folded
+    same(folded, planning_capture(spec, 1, sharding, fold=False))

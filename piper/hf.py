@@ -63,6 +63,8 @@ def load_hf_model(path: str | Path, model_args: tuple[tuple[str, Any], ...] = ()
     cls = transformers.AutoModelForCausalLM._model_mapping[type(config)]
     prefix = getattr(cls, "base_model_prefix", "") or ""
     tp_plan, notes = _tp_plan(config, prefix)
+    if tp_plan:
+        tp_plan += _head_plan(config, cls)
     with torch.device("meta"):
         shape = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     names = [n for n, _ in shape.named_modules()]
@@ -141,6 +143,17 @@ def _config(transformers: Any, p: Path, model_args: tuple[tuple[str, Any], ...])
         raise PiperError(f"{p}: {type(config).__name__} has no causal-LM model in "
                          f"transformers {transformers.__version__}")
     return config
+
+
+def _head_plan(config: Any, cls: type) -> tuple[tuple[str, str], ...]:
+    """The causal LM's own `_tp_plan` beside its base model's (Llama's and Qwen's:
+    `lm_head` column-parallel, its logits gathered), as transformers applies it: the output
+    layer's vocabulary split over the group. Not where the head shares its weight with the
+    embedding (`tie_word_embeddings`): the embedding stays whole, so would the head."""
+    if getattr(config, "tie_word_embeddings", False):
+        return ()
+    plan = getattr(cls, "_tp_plan", None) or {}
+    return tuple((k, TP_STYLES[v]) for k, v in plan.items() if v in TP_STYLES)
 
 
 def _tp_plan(config: Any, prefix: str) -> tuple[tuple[tuple[str, str], ...], list[str]]:

@@ -292,6 +292,9 @@ def shard_linears(model: nn.Module, plan: Iterable[tuple[str, str]], degree: int
         # every other layer with parameters (norms, the row-parallel biases' owners are
         # split already) that sees 1/t of the tokens: its gradients are partial sums
         inside = _sequence_region(plan, modules)
+        for n in split:  # a split layer after the sequence is gathered whole (an output
+            if not inside(n):  # layer past `sequence_gather`): plain tensor parallelism
+                modules[n].sequence_parallel = False
         for n, m in modules.items():
             if (n not in split and n not in replicated and inside(n)
                     and not getattr(m, "tp_split", False)  # already TP shards (experts)

@@ -50,6 +50,10 @@ def test_tp_plan_is_read_from_the_config(folders) -> None:
     assert ("model.layers.*.self_attn.q_norm", "replicate") in qwen.tp_plan
     gpt2 = load_hf_model(folders["gpt2"], seq_len=SEQ)
     assert gpt2.tp_plan == () and "no base_model_tp_plan" in gpt2.notes[0]
+    # the causal LM's own plan splits the output layer's vocabulary, as transformers does;
+    # not where it shares its weight with the (whole) embedding
+    assert ("lm_head", "colwise_rep") in llama.tp_plan
+    assert not any(k == "lm_head" for k, _ in qwen.tp_plan)
 
 
 def test_unknown_tp_style_is_refused_by_name(tmp_path, folders) -> None:

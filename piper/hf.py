@@ -149,7 +149,7 @@ def _head_plan(config: Any, cls: type) -> tuple[tuple[str, str], ...]:
     """The causal LM's own `_tp_plan` beside its base model's (Llama's and Qwen's:
     `lm_head` column-parallel, its logits gathered), as transformers applies it: the output
     layer's vocabulary split over the group. Not where the head shares its weight with the
-    embedding (`tie_word_embeddings`): the embedding stays whole, so would the head."""
+    embedding (`tie_word_embeddings`): the embedding stays whole, so the head must too."""
     if getattr(config, "tie_word_embeddings", False):
         return ()
     plan = getattr(cls, "_tp_plan", None) or {}

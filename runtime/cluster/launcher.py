@@ -305,10 +305,18 @@ class _Waiter:
         reports = self.job.reports()
         lost = self._lost_nodes(errors, reports)
         end = time.monotonic() + progress.SILENT_S + 2 * progress.HEARTBEAT_S
-        while not lost and pending and len(set(self.job.nodes)) > 1 and time.monotonic() < end:
-            # a node's loss shows as its ranks dying or falling silent, seconds after their
-            # peers elsewhere fail: look again before blaming the first rank that failed
-            pending = collect(pending, POLL_S / 2)
+        # a node's loss shows as its ranks dying or falling silent, seconds after their
+        # peers elsewhere fail: look again before blaming the first rank that failed (also
+        # when every rank has answered already: a rank whose process is gone may be a lost
+        # node's that Ray's health checks have not yet named)
+        gone_process = any(isinstance(e, RayActorError) for e in errors.values())
+        while (not lost and (pending or gone_process) and len(set(self.job.nodes)) > 1
+               and time.monotonic() < end):
+            if pending:
+                pending = collect(pending, POLL_S / 2)
+            else:
+                time.sleep(POLL_S / 2)
+            gone_process = any(isinstance(e, RayActorError) for e in errors.values())
             reports = self.job.reports()
             lost = self._lost_nodes(errors, reports)
         died = [r for r, e in errors.items() if isinstance(e, RayActorError)]

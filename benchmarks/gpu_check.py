@@ -45,7 +45,7 @@ sys.path.insert(0, str(ROOT))
 import torch
 from scipy.optimize import curve_fit
 
-from cost_models.attention import ATTENTION_BACKWARD_RATIO, CAUSAL_WORK
+from cost_models.attention import ATTENTION_BACKWARD_RATIO, CAUSAL_WORK, attention_seconds
 from cost_models.cluster import load_cluster, to_toml
 
 GPT = str(ROOT / "examples" / "gpt.py")
@@ -282,9 +282,8 @@ def main() -> int:
     low_peak = base.peak_flops(args.device == "cuda")
     # the catalog's rate for the same kernel (4096 keys, causal), at full clock
     unthrottled = dataclasses.replace(base, sustained_clock=1.0)
-    flops = 1e12 * (1 + ATTENTION_BACKWARD_RATIO)
-    catalog = flops / sum(unthrottled.attention_seconds(1e12 * r, 0, 4096, True, back, True)
-                          for back, r in ((False, 1.0), (True, ATTENTION_BACKWARD_RATIO)))
+    catalog = 1e12 * CAUSAL_WORK * (1 + ATTENTION_BACKWARD_RATIO) / sum(attention_seconds(
+        unthrottled, 1e12, CAUSAL_WORK, (4096, 1), 0, True))
     print(f"causal attention forward + backward: {attention / 1e12:.3g} TFLOP/s = "
           f"{attention / low_peak:.2f} of the peak (the catalog: {catalog / low_peak:.2f} at "
           "4096 keys)")

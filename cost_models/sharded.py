@@ -16,7 +16,7 @@ import torch.utils._pytree as pytree
 
 from cost_models import comm
 from cost_models.analytical import ModelCosts
-from cost_models.attention import ATTENTION_BACKWARD_RATIO, CAUSAL_WORK
+from cost_models.attention import CAUSAL_WORK, attention_seconds
 from cost_models.cluster import ClusterSpec
 from cost_models.piper_ops import context_attention_flops
 from cost_models.task_costs import TaskCosts
@@ -164,9 +164,8 @@ def context_seconds(traffic: InGraphComm, regions: list[int], plan: Plan,
                 bwd += comm.collective_time(comm.REDUCE_SCATTER, acc * cp, group, cluster)
                 continue
             # a step's kernel: an unmasked block over the rank's keys (`cost_models.attention`)
-            block, back = (cluster.attention_seconds(
-                ratio * flops * scale, 0, keys, False, backward, traffic.low_precision) / cp
-                for backward, ratio in ((False, 1.0), (True, ATTENTION_BACKWARD_RATIO)))
+            block, back = (t / cp for t in attention_seconds(
+                cluster, flops * scale, 1.0, (keys, 1), 0, traffic.low_precision))
             hop = max(comm.p2p_message_time(cluster, a, b, kv)
                       for a, b in zip(group, group[1:] + group[:1]))
             home = max(comm.p2p_message_time(cluster, a, b, acc)

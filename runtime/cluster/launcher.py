@@ -305,22 +305,23 @@ class _Waiter:
         reports = self.job.reports()
         lost = self._lost_nodes(errors, reports)
         end = time.monotonic() + progress.SILENT_S + 2 * progress.HEARTBEAT_S
+
+        def died() -> list[int]:  # ranks whose worker process is gone
+            return [r for r, e in errors.items() if isinstance(e, RayActorError)]
+
         # a node's loss shows as its ranks dying or falling silent, seconds after their
         # peers elsewhere fail: look again before blaming the first rank that failed (also
         # when every rank has answered already: a rank whose process is gone may be a lost
         # node's that Ray's health checks have not yet named)
-        gone_process = any(isinstance(e, RayActorError) for e in errors.values())
-        while (not lost and (pending or gone_process) and len(set(self.job.nodes)) > 1
+        while (not lost and (pending or died()) and len(set(self.job.nodes)) > 1
                and time.monotonic() < end):
             if pending:
                 pending = collect(pending, POLL_S / 2)
             else:
                 time.sleep(POLL_S / 2)
-            gone_process = any(isinstance(e, RayActorError) for e in errors.values())
             reports = self.job.reports()
             lost = self._lost_nodes(errors, reports)
-        died = [r for r, e in errors.items() if isinstance(e, RayActorError)]
-        first = died[0] if died else rank
+        first = next(iter(died()), rank)
         if lost:
             msg = "; ".join(self._describe_lost(node, ranks, reports, what)
                             for node, ranks in lost.items())
